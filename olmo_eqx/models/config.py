@@ -1,0 +1,95 @@
+"""The one description of a model's architecture and numerics.
+
+A `ModelConfig` is plain data (a frozen dataclass of ints, floats and strings) so that Hydra
+can compose it, checkpoints can store it, and two configs can be compared for equality.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+AttentionImpl = Literal["xla", "cudnn", "reference"]
+RematPolicy = Literal["none", "full", "save_matmuls"]
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class YarnConfig:
+    """YaRN RoPE scaling, applied to the full-attention layers only (OLMo 3 stage 3)."""
+
+    factor: float = 8.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # None means the YaRN paper's default, 0.1 * ln(factor) + 1.
+    attention_factor: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of an OLMo 2 / OLMo 3 decoder plus its dtype, attention and remat policy."""
+
+    name: str = "olmo3_tiny"
+    vocab_size: int = 4096
+    # Rows of the embedding and output head; a multiple of 128 for fast matmuls. Logits are
+    # returned over `vocab_size` only, so padding never changes the model's predictions.
+    padded_vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int = 64
+    mlp_hidden: int = 768
+    # Window (including the current token) of the sliding-attention layers; None makes every
+    # layer full attention (OLMo 2).
+    sliding_window: Optional[int] = 128
+    # Layer i is full attention when i % full_attention_every == full_attention_every - 1.
+    full_attention_every: int = 4
+    rope_theta: float = 500_000.0
+    yarn: Optional[YarnConfig] = None
+    rms_norm_eps: float = 1e-6
+    max_sequence_length: int = 4096
+    init_std: float = 0.02
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    attention_impl: AttentionImpl = "xla"
+    remat: RematPolicy = "none"
+
+    def __post_init__(self):
+        problems = []
+        if self.padded_vocab_size < self.vocab_size:
+            problems.append(
+                f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}; "
+                "set padded_vocab_size to vocab_size rounded up to a multiple of 128"
+            )
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.n_layers % self.cycle_length:
+            problems.append(
+                f"n_layers={self.n_layers} must be a multiple of the attention cycle length "
+                f"{self.cycle_length} (layers are scanned one cycle at a time)"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
+        if problems:
+            raise ValueError(f"invalid model config {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def cycle_length(self) -> int:
+        """Layers per scanned cycle: 4 for OLMo 3's 3 sliding + 1 full, 1 when all are full."""
+        return 1 if self.sliding_window is None else self.full_attention_every
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return layer % self.full_attention_every != self.full_attention_every - 1
+
+    @property
+    def layer_types(self) -> list[str]:
+        """HF's names for each layer's attention kind."""
+        return ["sliding_attention" if self.is_sliding(i) else "full_attention" for i in range(self.n_layers)]
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

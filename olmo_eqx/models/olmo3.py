@@ -1,0 +1,348 @@
+"""OLMo 3 (and OLMo 2) as Equinox modules, readable top to bottom.
+
+    tokens -> embed -> [Block x n_layers, scanned one attention cycle at a time] -> norm -> head
+
+A Block is the *reordered-norm* transformer block (no pre-norm):
+
+    h   = x + attention_norm(attention(x))
+    out = h + mlp_norm(mlp(h))
+
+OLMo 3 cycles three sliding-window layers and one full-attention layer; OLMo 2 is the same
+model with every layer full attention. Every array field declares its shape and its logical
+axes (used by `olmo_eqx.sharding` to place it on a mesh). Linear weights are stored
+[in_features, out_features], so a projection is `x @ w`.
+
+Numerics: parameters are stored in `param_dtype` and cast to `compute_dtype` where used;
+RMSNorm, RoPE and the logits are always float32.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .config import ModelConfig
+
+
+def _axes(*names: str):
+    """A module field holding an array whose dimensions have these logical names."""
+    return eqx.field(metadata={"axes": names})
+
+
+def _truncated_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -> Array:
+    # OLMo's init: normal(0, std) cut at +-3 std.
+    return (std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(eqx.Module):
+    weight: Float[Array, " dim"] = _axes("norm")
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = jnp.ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*rest dim"]) -> Float[Array, "*rest dim"]:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding (rotate-half, non-interleaved), always float32.
+
+
+def rope_inverse_frequencies(config: ModelConfig, *, yarn: bool) -> tuple[np.ndarray, float]:
+    """Per-pair inverse frequencies and the cos/sin scale (YaRN's attention factor, else 1)."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    base_freq = np.float32(config.rope_theta) ** exponents
+    inv_freq = (1.0 / base_freq).astype(np.float32)
+    if not yarn or config.yarn is None:
+        return inv_freq, 1.0
+    y = config.yarn
+    scale = y.attention_factor if y.attention_factor is not None else 0.1 * math.log(y.factor) + 1.0
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the original context.
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(config.rope_theta)
+        )
+
+    low = max(math.floor(correction_dim(y.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep_original = (1 - ramp).astype(np.float32)  # high-frequency pairs extrapolate unchanged
+    interpolated = (1.0 / (np.float32(y.factor) * base_freq)).astype(np.float32)
+    return (interpolated * (1 - keep_original) + inv_freq * keep_original).astype(np.float32), scale
+
+
+class Rope(eqx.Module):
+    """cos/sin tables for one sequence layout, shared by every layer of one attention kind."""
+
+    cos: Float[Array, "batch seq head_dim"]
+    sin: Float[Array, "batch seq head_dim"]
+
+    def __init__(self, positions: Int[Array, "batch seq"], config: ModelConfig, *, yarn: bool):
+        inv_freq, scale = rope_inverse_frequencies(config, yarn=yarn)
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        self.cos = jnp.cos(angles) * scale
+        self.sin = jnp.sin(angles) * scale
+
+    def __call__(self, x: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+        xf = x.astype(jnp.float32)
+        first, second = jnp.split(xf, 2, axis=-1)
+        rotated = jnp.concatenate([-second, first], axis=-1)
+        cos, sin = self.cos[:, :, None, :], self.sin[:, :, None, :]
+        return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: full-width QK-norm, GQA, causal with an optional sliding window.
+
+
+def reference_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    sliding_window: Optional[int],
+) -> Float[Array, "batch seq heads head_dim"]:
+    """Plain masked attention, written for clarity; tests hold the fast path against it."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    query = jnp.arange(q.shape[1])[:, None]
+    key = jnp.arange(k.shape[1])[None, :]
+    allowed = key <= query
+    if sliding_window is not None:
+        allowed = allowed & (key > query - sliding_window)  # the window includes the query itself
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def attend(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    *,
+    sliding_window: Optional[int],
+    implementation: str,
+) -> Float[Array, "batch seq heads head_dim"]:
+    if implementation == "reference":
+        return reference_attention(q, k, v, sliding_window)
+    # jax's window is (left, right) tokens besides the query; OLMo's window counts the query.
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=window, implementation=implementation
+    )
+
+
+class Attention(eqx.Module):
+    q_proj: Float[Array, "d_model q_features"] = _axes("embed", "heads")
+    k_proj: Float[Array, "d_model kv_features"] = _axes("embed", "kv_heads")
+    v_proj: Float[Array, "d_model kv_features"] = _axes("embed", "kv_heads")
+    o_proj: Float[Array, "q_features d_model"] = _axes("heads", "embed")
+    # QK-norm normalises the whole projection (all heads together), not each head.
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        dtype = jnp.dtype(config.param_dtype)
+        q_features = config.n_heads * config.head_dim
+        kv_features = config.n_kv_heads * config.head_dim
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        std = config.init_std
+        self.q_proj = _truncated_normal(kq, (config.d_model, q_features), std, dtype)
+        self.k_proj = _truncated_normal(kk, (config.d_model, kv_features), std, dtype)
+        self.v_proj = _truncated_normal(kv, (config.d_model, kv_features), std, dtype)
+        self.o_proj = _truncated_normal(ko, (q_features, config.d_model), std, dtype)
+        self.q_norm = RMSNorm(q_features, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(kv_features, config.rms_norm_eps, dtype)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        rope: Rope,
+        *,
+        config: ModelConfig,
+        sliding_window: Optional[int],
+    ) -> Float[Array, "batch seq d_model"]:
+        batch, seq, _ = x.shape
+        q = self.q_norm(x @ self.q_proj.astype(x.dtype))
+        k = self.k_norm(x @ self.k_proj.astype(x.dtype))
+        v = x @ self.v_proj.astype(x.dtype)
+        q = rope(q.reshape(batch, seq, config.n_heads, config.head_dim))
+        k = rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim))
+        v = v.reshape(batch, seq, config.n_kv_heads, config.head_dim)
+        out = attend(q, k, v, sliding_window=sliding_window, implementation=config.attention_impl)
+        return out.reshape(batch, seq, -1) @ self.o_proj.astype(x.dtype)
+
+
+class MLP(eqx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    gate_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp")
+    up_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp")
+    down_proj: Float[Array, "hidden d_model"] = _axes("mlp", "embed")
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        dtype = jnp.dtype(config.param_dtype)
+        kg, ku, kd = jax.random.split(key, 3)
+        shape_in = (config.d_model, config.mlp_hidden)
+        self.gate_proj = _truncated_normal(kg, shape_in, config.init_std, dtype)
+        self.up_proj = _truncated_normal(ku, shape_in, config.init_std, dtype)
+        self.down_proj = _truncated_normal(kd, shape_in[::-1], config.init_std, dtype)
+
+    def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
+        gate = jax.nn.silu(x @ self.gate_proj.astype(x.dtype))
+        return (gate * (x @ self.up_proj.astype(x.dtype))) @ self.down_proj.astype(x.dtype)
+
+
+class Block(eqx.Module):
+    attention: Attention
+    attention_norm: RMSNorm  # HF: post_attention_layernorm
+    mlp: MLP
+    mlp_norm: RMSNorm  # HF: post_feedforward_layernorm
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        dtype = jnp.dtype(config.param_dtype)
+        self.attention = Attention(config, key=ka)
+        self.attention_norm = RMSNorm(config.d_model, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, key=km)
+        self.mlp_norm = RMSNorm(config.d_model, config.rms_norm_eps, dtype)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        rope: Rope,
+        *,
+        config: ModelConfig,
+        sliding_window: Optional[int],
+    ) -> Float[Array, "batch seq d_model"]:
+        h = x + self.attention_norm(self.attention(x, rope, config=config, sliding_window=sliding_window))
+        return h + self.mlp_norm(self.mlp(h))
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block; recompute it all in the backward pass
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class OLMo(eqx.Module):
+    """An OLMo 2 / OLMo 3 causal language model: token ids in, float32 logits out."""
+
+    embed: Float[Array, "padded_vocab d_model"] = _axes("vocab", "embed")
+    # One Block whose every array has a leading layer axis (n_layers, ...).
+    blocks: Block = eqx.field(metadata={"stacked": True})
+    final_norm: RMSNorm
+    lm_head: Float[Array, "d_model padded_vocab"] = _axes("embed", "vocab")
+    config: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        dtype = jnp.dtype(config.param_dtype)
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        self.config = config
+        self.embed = _truncated_normal(k_embed, (config.padded_vocab_size, config.d_model), config.init_std, dtype)
+        make_block = lambda k: Block(config, key=k)  # noqa: E731
+        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(k_blocks, config.n_layers))
+        self.final_norm = RMSNorm(config.d_model, config.rms_norm_eps, dtype)
+        self.lm_head = _truncated_normal(k_head, (config.d_model, config.padded_vocab_size), config.init_std, dtype)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+    ) -> Float[Array, "batch seq vocab"]:
+        config = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype)
+        rope_sliding = Rope(positions, config, yarn=False)
+        rope_full = Rope(positions, config, yarn=config.yarn is not None)
+
+        def apply_block(block: Block, x, rope: Rope, sliding_window: Optional[int]):
+            return block(x, rope, config=config, sliding_window=sliding_window)
+
+        if config.remat != "none":
+            apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[config.remat], static_argnums=(3,))
+
+        def run_cycle(x, cycle: Block):
+            # One attention cycle (3 sliding + 1 full on OLMo 3), unrolled; cycles are scanned.
+            for j in range(config.cycle_length):
+                block = jax.tree.map(lambda a: a[j], cycle)
+                sliding = config.is_sliding(j)
+                rope = rope_sliding if sliding else rope_full
+                x = apply_block(block, x, rope, config.sliding_window if sliding else None)
+            return x, None
+
+        n_cycles = config.n_layers // config.cycle_length
+        cycles = jax.tree.map(lambda a: a.reshape(n_cycles, config.cycle_length, *a.shape[1:]), self.blocks)
+        x, _ = jax.lax.scan(run_cycle, x, cycles)
+        x = self.final_norm(x)
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, self.lm_head.astype(x.dtype), preferred_element_type=jnp.float32
+        )
+        # Padding rows exist for matmul alignment only; they never enter a prediction.
+        return logits[..., : config.vocab_size]
+
+
+# ---------------------------------------------------------------------------------------------
+# Introspection: parameter counts and logical axes, computed without allocating weights.
+
+
+def abstract_model(config: ModelConfig) -> OLMo:
+    """The model's structure with `jax.ShapeDtypeStruct` leaves; allocates nothing."""
+    return eqx.filter_eval_shape(OLMo, config, key=jax.random.key(0))
+
+
+def count_params(config: ModelConfig) -> int:
+    leaves = jax.tree.leaves(abstract_model(config))
+    return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+class LogicalAxes(tuple):
+    """Names of an array's dimensions (a pytree leaf, like `PartitionSpec`)."""
+
+
+def logical_axes(model: OLMo) -> OLMo:
+    """A pytree shaped like `model` whose leaves are the `LogicalAxes` of each array.
+
+    Stacked blocks get a leading "layers" axis. Works on abstract models too.
+    """
+
+    def axes_of(path, _leaf) -> LogicalAxes:
+        node, stacked, metadata = model, False, {}
+        for entry in path:
+            field = next(f for f in dataclasses.fields(node) if f.name == entry.name)
+            metadata = field.metadata
+            stacked = stacked or metadata.get("stacked", False)
+            node = getattr(node, entry.name)
+        return LogicalAxes((("layers",) if stacked else ()) + tuple(metadata["axes"]))
+
+    return jax.tree_util.tree_map_with_path(axes_of, model)
+
+
+def with_config(model: OLMo, **changes) -> OLMo:
+    """The same weights under a config with `changes` (e.g. attention_impl, compute_dtype, remat).
+
+    Only settings that leave every parameter's shape unchanged are allowed.
+    """
+    config = dataclasses.replace(model.config, **changes)
+    target = abstract_model(config)
+    old_shapes = [leaf.shape for leaf in jax.tree.leaves(model)]
+    new_shapes = [leaf.shape for leaf in jax.tree.leaves(target)]
+    if old_shapes != new_shapes:
+        raise ValueError(f"with_config({changes}) changes parameter shapes; build a new model instead")
+    return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(model))
