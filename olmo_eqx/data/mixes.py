@@ -1,0 +1,97 @@
+"""Data sources: OLMo-core mix manifests, plain path lists and globs.
+
+A source is a labelled list of token files, optionally with a target share (`ratio`) of the
+training instances. Labels travel with every instance so metrics can be split per source.
+
+OLMo-core's manifests (`data/mixes/*.txt`) hold one `label,relative/path/{TOKENIZER}/part.npy`
+per line; the path is relative to a data root and `{TOKENIZER}` names the tokenizer's
+directory (e.g. `allenai/dolma2-tokenizer`).
+"""
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from olmo_eqx.data.token_files import DataFileError
+
+TOKENIZER_PLACEHOLDER = "{TOKENIZER}"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A labelled list of token files; `ratio` is its target share of the mix (None: natural size)."""
+
+    label: str
+    paths: tuple[Path, ...]
+    ratio: float | None = None
+
+    def __post_init__(self):
+        if not self.paths:
+            raise DataFileError(f"data source {self.label!r} has no files")
+        if self.ratio is not None and not self.ratio > 0:
+            raise DataFileError(f"data source {self.label!r}: ratio must be > 0, got {self.ratio}")
+
+
+def _expand(path_or_glob: str | os.PathLike) -> list[Path]:
+    text = os.fspath(path_or_glob)
+    if glob.has_magic(text):
+        matches = sorted(glob.glob(text, recursive=True))
+        if not matches:
+            raise DataFileError(f"glob {text!r} matches no files: check the pattern and the data root")
+        return [Path(m) for m in matches]
+    return [Path(text)]
+
+
+def source_from_paths(
+    label: str, paths: Sequence[str | os.PathLike] | str | os.PathLike, ratio: float | None = None
+) -> Source:
+    """A source from explicit paths and/or globs (globs expand sorted, so the order is stable)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    expanded = [p for item in paths for p in _expand(item)]
+    return Source(label=label, paths=tuple(expanded), ratio=ratio)
+
+
+def read_mix(
+    manifest: str | os.PathLike,
+    data_root: str | os.PathLike,
+    tokenizer: str,
+    ratios: Mapping[str, float] | None = None,
+) -> list[Source]:
+    """Read an OLMo-core mix manifest into sources, one per label, in order of first appearance.
+
+    `ratios` maps labels to target shares; give one for every label or none at all.
+    Blank lines and lines starting with `#` are skipped.
+    """
+    manifest = Path(manifest)
+    if not manifest.is_file():
+        raise DataFileError(f"mix manifest {manifest} does not exist")
+    root = os.fspath(data_root)
+    if "://" in root:
+        raise DataFileError(
+            f"data root {root!r} is a URL; olmo_eqx reads local (or mounted) files only: "
+            "download or mount the token files and pass that directory"
+        )
+    by_label: dict[str, list[Path]] = {}
+    for line_no, raw in enumerate(manifest.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        label, sep, rel_path = line.partition(",")
+        if not sep or not label.strip() or not rel_path.strip():
+            raise DataFileError(
+                f"{manifest}:{line_no}: expected `label,relative/path/{TOKENIZER_PLACEHOLDER}/part.npy`, got {raw!r}"
+            )
+        rel_path = rel_path.strip().replace(TOKENIZER_PLACEHOLDER, tokenizer)
+        by_label.setdefault(label.strip(), []).append(Path(root) / rel_path)
+    if not by_label:
+        raise DataFileError(f"mix manifest {manifest} lists no files")
+    ratios = dict(ratios or {})
+    unknown = set(ratios) - set(by_label)
+    if unknown:
+        raise DataFileError(f"ratios name labels not in {manifest}: {sorted(unknown)}; labels are {list(by_label)}")
+    if ratios and set(ratios) != set(by_label):
+        raise DataFileError(f"give a ratio for every label of {manifest} or none; missing {sorted(set(by_label) - set(ratios))}")
+    return [Source(label, tuple(paths), ratios.get(label)) for label, paths in by_label.items()]

@@ -1,0 +1,101 @@
+"""OLMo-core token files: headerless flat arrays of token ids.
+
+OLMo-core names them `.npy` but writes no numpy header: the file is the raw little-endian
+array, so its length is `file_size // itemsize`. The dtype follows the vocabulary size
+(uint16 below 65536 ids, uint32 above) unless the caller overrides it.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+from jaxtyping import Integer
+
+UINT16_VOCAB_LIMIT = 65536
+
+
+class DataFileError(ValueError):
+    """A token file, manifest or data position that cannot be used as given."""
+
+
+def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """The dtype OLMo-core uses for a vocabulary of `vocab_size` ids."""
+    if vocab_size <= 0:
+        raise DataFileError(f"vocab_size must be positive, got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size < UINT16_VOCAB_LIMIT else np.dtype(np.uint32)
+
+
+class TokenFile:
+    """One headerless token file, memory-mapped on first access and never read whole.
+
+    Construction checks only what is cheap (the file exists, its size fits the dtype);
+    `check_token_ids` scans the ids when asked.
+    """
+
+    def __init__(self, path: str | os.PathLike, vocab_size: int, dtype: np.dtype | str | None = None):
+        self.path = Path(path)
+        self.vocab_size = int(vocab_size)
+        self.dtype = np.dtype(dtype) if dtype is not None else token_dtype_for_vocab(vocab_size)
+        if not self.path.is_file():
+            raise DataFileError(
+                f"token file {self.path} does not exist: check the data root / tokenizer name "
+                "in the mix, or create it with `python -m olmo_eqx.data.tokenize`"
+            )
+        size = self.path.stat().st_size
+        if size % self.dtype.itemsize != 0:
+            raise DataFileError(
+                f"token file {self.path} has {size} bytes, not a multiple of {self.dtype.itemsize} "
+                f"({self.dtype.name}): it is truncated or was written with another dtype; "
+                "re-create it, or pass the dtype it was written with"
+            )
+        self.num_tokens = size // self.dtype.itemsize
+        self._array: np.memmap | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole file as a read-only memory map (pages are read only when touched)."""
+        if self._array is None:
+            if self.num_tokens == 0:
+                # np.memmap refuses empty files; an empty file is legal and holds no instances.
+                self._array = np.zeros((0,), dtype=self.dtype)
+            else:
+                self._array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        return self._array
+
+    def __getstate__(self) -> dict:
+        # Memory maps do not pickle; worker processes re-open the file lazily.
+        state = self.__dict__.copy()
+        state["_array"] = None
+        return state
+
+    def check_token_ids(self, chunk_tokens: int = 1 << 24) -> None:
+        """Raise `DataFileError` if any id is >= vocab_size (scans the file in chunks)."""
+        tokens = self.tokens
+        for start in range(0, self.num_tokens, chunk_tokens):
+            chunk = np.asarray(tokens[start : start + chunk_tokens])
+            if chunk.size and int(chunk.max()) >= self.vocab_size:
+                offset = start + int(np.argmax(chunk >= self.vocab_size))
+                raise DataFileError(
+                    f"token file {self.path} holds token id {int(tokens[offset])} at position {offset}, "
+                    f"but vocab_size is {self.vocab_size}: it was tokenized with another tokenizer "
+                    "or read with the wrong dtype; re-tokenize it or fix vocab_size/dtype"
+                )
+
+    def __repr__(self) -> str:
+        return f"TokenFile({str(self.path)!r}, tokens={self.num_tokens}, dtype={self.dtype.name})"
+
+
+def write_token_file(
+    path: str | os.PathLike, tokens: Integer[np.ndarray, " n"], vocab_size: int, dtype: np.dtype | str | None = None
+) -> Path:
+    """Write `tokens` as an OLMo-core headerless token file, atomically (temp file + rename)."""
+    path = Path(path)
+    dtype = np.dtype(dtype) if dtype is not None else token_dtype_for_vocab(vocab_size)
+    tokens = np.asarray(tokens)
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise DataFileError(f"refusing to write {path}: token ids outside [0, {vocab_size})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tokens.astype(dtype.newbyteorder("<"), copy=False).tofile(tmp)
+    os.replace(tmp, path)
+    return path
