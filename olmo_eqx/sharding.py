@@ -1,0 +1,173 @@
+"""Where every array lives: the device mesh, logical-axis rules, and the layout of a train state.
+
+The model names each array dimension with a *logical* axis ("embed", "heads", ...; see
+`olmo_eqx.models.olmo3.logical_axes`). `ShardingRules` maps logical names to *mesh* axes
+("data", "fsdp", "tensor"); the default is pure FSDP (OLMo 3's 7B layout): every weight split
+along its model dimension over "fsdp", the batch split over ("data", "fsdp"). Tensor
+parallelism is a config change: give "tensor" a size > 1 in `MeshConfig`.
+
+Scale never changes code: a dimension that the mesh axis does not divide (a 64-wide model on
+8 devices) is replicated instead of failing, so the same rules run a toy on a laptop and the
+7B on a pod.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from .models.olmo3 import LogicalAxes, logical_axes
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the mesh axes; exactly one may be -1, meaning "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def shape(self, n_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if sizes.count(-1) > 1:
+            raise ValueError(f"mesh: at most one axis may be -1 (got data={self.data}, fsdp={self.fsdp}, tensor={self.tensor})")
+        known = math.prod(s for s in sizes if s != -1)
+        if any(s == 0 or s < -1 for s in sizes) or n_devices % known:
+            raise ValueError(
+                f"mesh: data={self.data} x fsdp={self.fsdp} x tensor={self.tensor} does not fit {n_devices} devices; "
+                "choose sizes whose product divides the device count (use -1 for one axis to take the rest)"
+            )
+        sizes = [n_devices // known if s == -1 else s for s in sizes]
+        if math.prod(sizes) != n_devices:
+            raise ValueError(
+                f"mesh: data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} "
+                f"but there are {n_devices} devices; set one axis to -1 or make the product match"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: Optional[list] = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices of all processes).
+
+    Axis types are *Auto* (GSPMD propagation): jax >= 0.10 defaults to Explicit, under which
+    a matmul over a sharded contracting dimension fails without an explicit out_sharding.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.shape(len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+@dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis name -> mesh axis (None = replicated). Defaults: pure FSDP."""
+
+    embed: Optional[str] = "fsdp"
+    heads: Optional[str] = "tensor"
+    kv_heads: Optional[str] = "tensor"
+    mlp: Optional[str] = "tensor"
+    vocab: Optional[str] = "tensor"
+    layers: Optional[str] = None
+    norm: Optional[str] = None
+    # The batch dimension of inputs (and of activations, by propagation).
+    batch: tuple[str, ...] = ("data", "fsdp")
+
+    def mesh_axes(self, logical: str) -> Any:
+        if not hasattr(self, logical):
+            raise ValueError(f"sharding rules have no entry for logical axis {logical!r}; add it to ShardingRules")
+        value = getattr(self, logical)
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _axis_size(mesh: Mesh, axes: Any) -> int:
+    if axes is None:
+        return 1
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def spec_for(axes: LogicalAxes, shape: tuple[int, ...], mesh: Mesh, rules: ShardingRules) -> P:
+    """The PartitionSpec of one array from its logical axes.
+
+    A dimension is replicated when its mesh axes don't divide it, or when an earlier dimension
+    of the same array already uses that mesh axis (a mesh axis can shard one dimension only).
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(axes)} do not match array shape {shape}")
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(axes, shape):
+        mesh_axes = rules.mesh_axes(name)
+        names = () if mesh_axes is None else (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,))
+        if not names or used & set(names) or size % _axis_size(mesh, mesh_axes):
+            spec.append(None)
+            continue
+        used.update(names)
+        spec.append(mesh_axes)
+    return P(*spec)
+
+
+def model_shardings(model: eqx.Module, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> eqx.Module:
+    """`NamedSharding` for every array of `model` (concrete or abstract), shaped like `model`."""
+    axes = logical_axes(model)
+    return jax.tree.map(
+        lambda a, leaf: NamedSharding(mesh, spec_for(a, leaf.shape, mesh, rules)),
+        axes,
+        model,
+        is_leaf=lambda x: isinstance(x, LogicalAxes),
+    )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> NamedSharding:
+    """Sharding of a global [batch, seq] input array: batch over ("data", "fsdp"), seq whole."""
+    return NamedSharding(mesh, P(rules.mesh_axes("batch"), None))
+
+
+def train_state_shardings(state: Any, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> Any:
+    """Shardings for a whole `TrainState` (concrete or abstract), shaped like it.
+
+    Parameters follow the rules; every params-shaped subtree of the optimiser state (Adam's
+    moments) takes its parameter's sharding; counters and statistics are replicated.
+    """
+    params = model_shardings(state.model, mesh, rules)
+    params_def = jax.tree.structure(state.model)
+    rep = replicated(mesh)
+
+    def is_params(node) -> bool:
+        return jax.tree.structure(node) == params_def
+
+    return jax.tree.map(lambda node: params if is_params(node) else rep, state, is_leaf=is_params)
+
+
+def maybe_initialize_distributed() -> bool:
+    """Start JAX's multi-controller runtime once, when the launcher's environment asks for it.
+
+    Triggers: JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID), or a SLURM job
+    with more than one task (jax's own SLURM detection fills in the rest), or
+    OLMO_EQX_DISTRIBUTED=1 for clusters jax auto-detects (GKE/TPU pods). Must run before any
+    other JAX call that touches devices. Returns True when the runtime is (now) initialised.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        kwargs = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"]}
+        if "JAX_NUM_PROCESSES" in env:
+            kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+        if "JAX_PROCESS_ID" in env:
+            kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+        jax.distributed.initialize(**kwargs)
+        return True
+    if int(env.get("SLURM_NTASKS", "1")) > 1 or env.get("OLMO_EQX_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+        return True
+    return False

@@ -1,0 +1,183 @@
+"""The pure train step and the held-out eval step.
+
+`train_step(state, batch) -> (state, metrics)` is one `eqx.filter_jit` with the state donated:
+forward + backward over `micro_batches` slices of the global batch (lax.scan, gradients
+accumulated in float32, every slice normalised by the *global* target count), clipping,
+AdamW, and the skip-step decision, all on the device with no host sync. Metrics come back as
+device scalars; the loop should fetch them one step late so the host never stalls the device.
+"""
+
+from typing import Callable, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ..sharding import ShardingRules, train_state_shardings
+from .loss import LossSums, loss_sums, objective, target_count
+from .optim import OptimConfig, apply_updates, make_optimizer
+from .state import TrainState
+
+Batch = dict[str, Array]  # {"input_ids": Int[Array, "batch seq"], "loss_mask": Float[Array, "batch seq"]}
+Metrics = dict[str, Float[Array, ""]]
+
+
+def _check_batch(batch: Batch) -> tuple[Int[Array, "batch seq"], Float[Array, "batch seq"]]:
+    missing = {"input_ids", "loss_mask"} - set(batch)
+    if missing:
+        raise ValueError(f"batch is missing {sorted(missing)}; expected keys input_ids [B, L] int32 and loss_mask [B, L]")
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    if ids.shape != mask.shape or ids.ndim != 2:
+        raise ValueError(f"input_ids {ids.shape} and loss_mask {mask.shape} must both be [batch, seq]")
+    return ids, mask.astype(jnp.float32)
+
+
+def _split_micro_batches(x: Array, micro_batches: int, mesh: Optional[Mesh], rules: ShardingRules) -> Array:
+    """[B, ...] -> [M, B/M, ...] with micro-batch m = rows m, m+M, m+2M, ...
+
+    Strided rather than contiguous so that each micro-batch keeps the batch sharding of the
+    global array (its rows stay spread over every data shard; nothing moves between devices).
+    """
+    b = x.shape[0]
+    if b % micro_batches:
+        raise ValueError(f"global batch {b} is not divisible by micro_batches={micro_batches}")
+    x = jnp.swapaxes(x.reshape(b // micro_batches, micro_batches, *x.shape[1:]), 0, 1)
+    if mesh is not None:
+        batch_axes = rules.mesh_axes("batch")
+        n_shards = 1
+        for name in batch_axes if isinstance(batch_axes, tuple) else (batch_axes,):
+            n_shards *= mesh.shape[name]
+        if (b // micro_batches) % n_shards == 0:
+            spec = P(None, batch_axes, *([None] * (x.ndim - 2)))
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return x
+
+
+def _skip_decision(
+    value: Float[Array, ""], history: Float[Array, " window"], count: Int[Array, ""], std_factor: float, min_history: int
+) -> jax.Array:
+    """True when `value` > mean + std_factor * std (Bessel) of the filled history slots."""
+    window = history.shape[0]
+    n = jnp.minimum(count, window).astype(jnp.float32)
+    valid = (jnp.arange(window) < n).astype(jnp.float32)
+    mean = jnp.sum(history * valid) / jnp.maximum(n, 1.0)
+    var = jnp.sum(jnp.square(history - mean) * valid) / jnp.maximum(n - 1.0, 1.0)
+    return (n >= min_history) & (value > mean + std_factor * jnp.sqrt(var))
+
+
+def make_train_step(
+    optim_config: OptimConfig,
+    schedule: optax.Schedule,
+    *,
+    mesh: Optional[Mesh] = None,
+    rules: ShardingRules = ShardingRules(),
+    micro_batches: int = 1,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """Build `train_step(state, batch) -> (state, metrics)`; `state` is donated (don't reuse it).
+
+    batch: {"input_ids": int32 [B, L], "loss_mask": float32 [B, L]}, global arrays (ideally
+    laid out with `batch_sharding(mesh)`). With `mesh`, the output state is pinned to the
+    layout of `train_state_shardings(state, mesh, rules)`.
+
+    metrics (float32 device scalars): loss (mean cross-entropy over target tokens), z_loss
+    (its weighted z-loss term), grad_norm (before clipping), lr, tokens (target count),
+    skipped (1.0 when the skip-step rule discarded the update).
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+    optimizer = make_optimizer(optim_config)
+    z_weight = float(optim_config.z_loss_weight)
+    skip_std = optim_config.skip_step_std
+
+    def step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
+        ids, mask = _check_batch(batch)
+        count = target_count(mask)
+        params, static = eqx.partition(state.model, eqx.is_inexact_array)
+
+        def micro_objective(params, ids, mask):
+            sums = loss_sums(eqx.combine(params, static)(ids), ids, mask)
+            return objective(sums, z_weight, count), sums
+
+        grad_fn = jax.grad(micro_objective, has_aux=True)
+        to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+        if micro_batches == 1:
+            grads, sums = grad_fn(params, ids, mask)
+            grads = to_f32(grads)
+        else:
+
+            def accumulate(carry, xs):
+                g, s = grad_fn(params, *xs)
+                return jax.tree.map(jnp.add, carry, (to_f32(g), s)), None
+
+            zeros = (to_f32(jax.tree.map(jnp.zeros_like, params)), LossSums(*(jnp.zeros((), jnp.float32),) * 3))
+            xs = tuple(_split_micro_batches(x, micro_batches, mesh, rules) for x in (ids, mask))
+            (grads, sums), _ = jax.lax.scan(accumulate, zeros, xs)
+
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+        lr = schedule(state.step)
+        new_params = apply_updates(params, updates, lr)
+
+        loss = sums.ce / jnp.maximum(count, 1.0)
+        if skip_std:
+            skipped = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+            for value, history in ((loss, state.loss_history), (grad_norm, state.grad_norm_history)):
+                skipped |= _skip_decision(
+                    value, history, state.history_count, skip_std, optim_config.skip_step_min_history
+                )
+        else:
+            skipped = jnp.zeros((), bool)
+        keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)  # noqa: E731
+        new_params = keep(params, new_params)
+        new_opt_state = keep(state.opt_state, new_opt_state)
+
+        # Record this step in the statistics (skipped spikes too, as OLMo-core does), except
+        # non-finite values, which would poison the window for good.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        slot = state.history_count % state.loss_history.shape[0]
+        record = lambda h, v: jnp.where(finite, h.at[slot].set(v), h)  # noqa: E731
+        new_state = TrainState(
+            model=eqx.combine(new_params, static),
+            opt_state=new_opt_state,
+            step=state.step + 1,
+            loss_history=record(state.loss_history, loss),
+            grad_norm_history=record(state.grad_norm_history, grad_norm),
+            history_count=state.history_count + finite.astype(jnp.int32),
+        )
+        if mesh is not None:
+            new_state = eqx.filter_shard(new_state, train_state_shardings(new_state, mesh, rules))
+        metrics = {
+            "loss": loss,
+            "z_loss": z_weight * sums.z / jnp.maximum(count, 1.0),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": count,
+            "skipped": skipped.astype(jnp.float32),
+        }
+        return new_state, metrics
+
+    # filter_jit donates every argument but the first: put the batch first so only the state
+    # is donated (callers may legitimately reuse a batch).
+    jitted = eqx.filter_jit(step, donate="all-except-first")
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return jitted(batch, state)
+
+    return train_step
+
+
+def make_eval_step() -> Callable[[eqx.Module, Batch], LossSums]:
+    """Build `eval_step(model, batch) -> LossSums` (ce sum, z sum, target count) for held-out loss.
+
+    Sum the results over the held-out batches and divide ce by count for the mean loss.
+    """
+
+    @eqx.filter_jit
+    def eval_step(model: eqx.Module, batch: Batch) -> LossSums:
+        ids, mask = _check_batch(batch)
+        return loss_sums(model(ids), ids, mask)
+
+    return eval_step
