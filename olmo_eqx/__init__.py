@@ -1,0 +1,20 @@
+"""olmo_eqx: train the OLMo family of language models in JAX with Equinox."""
+
+from .flops import flops_per_token
+from .hf import load_hf, save_hf
+from .models.config import ModelConfig, YarnConfig
+from .models.olmo3 import OLMo, count_params, with_config
+from .models.zoo import ZOO, get_model_config
+
+__all__ = [
+    "OLMo",
+    "ModelConfig",
+    "YarnConfig",
+    "ZOO",
+    "count_params",
+    "flops_per_token",
+    "get_model_config",
+    "load_hf",
+    "save_hf",
+    "with_config",
+]

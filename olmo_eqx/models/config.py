@@ -27,28 +27,31 @@ class YarnConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of an OLMo 2 / OLMo 3 decoder plus its dtype, attention and remat policy."""
+    """Architecture of an OLMo 2 / OLMo 3 decoder plus its dtype, attention and remat policy.
+
+    The defaults are `olmo3_tiny`, the CPU-sized model of tests and the default pretrain run.
+    """
 
     name: str = "olmo3_tiny"
     vocab_size: int = 4096
     # Rows of the embedding and output head; a multiple of 128 for fast matmuls. Logits are
     # returned over `vocab_size` only, so padding never changes the model's predictions.
     padded_vocab_size: int = 4096
-    d_model: int = 256
+    d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 4
-    head_dim: int = 64
-    mlp_hidden: int = 768
+    head_dim: int = 32
+    mlp_hidden: int = 384
     # Window (including the current token) of the sliding-attention layers; None makes every
     # layer full attention (OLMo 2).
-    sliding_window: Optional[int] = 128
+    sliding_window: Optional[int] = 64
     # Layer i is full attention when i % full_attention_every == full_attention_every - 1.
     full_attention_every: int = 4
     rope_theta: float = 500_000.0
     yarn: Optional[YarnConfig] = None
     rms_norm_eps: float = 1e-6
-    max_sequence_length: int = 4096
+    max_sequence_length: int = 1024
     init_std: float = 0.02
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"

@@ -1,0 +1,28 @@
+"""Model FLOPs per token, the numerator of MFU (olmo3-spec §5).
+
+    6 * N_matmul + 12 * sum over layers of (n_heads * head_dim * context)
+
+N_matmul counts every matmul weight, the output head included (its padded rows too, since the
+hardware multiplies them), the input embedding (a gather) and norm weights excluded. A layer's
+attention context is the sequence length, or `min(window, seq_len)` on sliding-window layers;
+like OLMo-core's formula, causal masking is not discounted.
+"""
+
+from .models.config import ModelConfig
+
+
+def matmul_params(config: ModelConfig) -> int:
+    q = config.n_heads * config.head_dim
+    kv = config.n_kv_heads * config.head_dim
+    attention = config.d_model * (2 * q + 2 * kv)
+    mlp = 3 * config.d_model * config.mlp_hidden
+    return config.n_layers * (attention + mlp) + config.d_model * config.padded_vocab_size
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
+    attention = 0
+    for layer in range(config.n_layers):
+        context = min(config.sliding_window, seq_len) if config.is_sliding(layer) else seq_len
+        attention += 12 * config.n_heads * config.head_dim * context
+    return 6 * matmul_params(config) + attention

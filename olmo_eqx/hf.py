@@ -1,0 +1,358 @@
+"""HuggingFace OLMo 2 / OLMo 3 checkpoints <-> olmo_eqx models, without torch.
+
+A HF checkpoint directory holds `config.json` and the weights in one `model.safetensors` or in
+shards listed by `model.safetensors.index.json`. HF stores linear weights [out, in] and the
+vocabulary unpadded; we store [in, out], stack layers on a leading axis, and pad the vocabulary
+to `padded_vocab_size` (padding rows are zero and never reach a prediction).
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from .models.config import ModelConfig, YarnConfig
+from .models.olmo3 import OLMo, abstract_model
+
+SUPPORTED_MODEL_TYPES = ("olmo2", "olmo3")
+
+# Our path inside a stacked Block -> (HF name inside `model.layers.{i}.`, stored transposed?)
+_LAYER_TENSORS = {
+    ("attention", "q_proj"): ("self_attn.q_proj.weight", True),
+    ("attention", "k_proj"): ("self_attn.k_proj.weight", True),
+    ("attention", "v_proj"): ("self_attn.v_proj.weight", True),
+    ("attention", "o_proj"): ("self_attn.o_proj.weight", True),
+    ("attention", "q_norm", "weight"): ("self_attn.q_norm.weight", False),
+    ("attention", "k_norm", "weight"): ("self_attn.k_norm.weight", False),
+    ("attention_norm", "weight"): ("post_attention_layernorm.weight", False),
+    ("mlp", "gate_proj"): ("mlp.gate_proj.weight", True),
+    ("mlp", "up_proj"): ("mlp.up_proj.weight", True),
+    ("mlp", "down_proj"): ("mlp.down_proj.weight", True),
+    ("mlp_norm", "weight"): ("post_feedforward_layernorm.weight", False),
+}
+
+
+class HFCheckpointError(ValueError):
+    """A HF checkpoint directory that cannot become (or come from) an olmo_eqx model."""
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return multiple * math.ceil(n / multiple)
+
+
+def _rope_of(hf: dict, layer_type: str) -> dict:
+    """The RoPE parameters of one layer type, from new (`rope_parameters`) or old config styles."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        return params[layer_type] or {}
+    if isinstance(params, dict) and params:
+        return params
+    old = dict(hf.get("rope_scaling") or {})
+    old.setdefault("rope_theta", hf.get("rope_theta", 500_000.0))
+    if "type" in old and "rope_type" not in old:
+        old["rope_type"] = old.pop("type")
+    return old
+
+
+def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, **overrides) -> ModelConfig:
+    """Map a HF `config.json` dict onto a `ModelConfig`; unsupported settings raise."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFCheckpointError(
+            f"config.json has model_type={model_type!r}; olmo_eqx reads {' and '.join(SUPPORTED_MODEL_TYPES)} "
+            "checkpoints only"
+        )
+    if hf.get("tie_word_embeddings"):
+        raise HFCheckpointError("config.json ties the embedding and the output head; OLMo models keep them untied")
+    if hf.get("attention_bias"):
+        raise HFCheckpointError("config.json enables attention biases; OLMo models have no biases")
+    n_layers = hf["num_hidden_layers"]
+    n_heads = hf["num_attention_heads"]
+    sliding_window = None
+    if model_type == "olmo3":
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
+        ]
+        expected = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
+        if all(t == "full_attention" for t in layer_types):
+            sliding_window = None
+        elif layer_types == expected:
+            sliding_window = hf.get("sliding_window", 4096)
+        else:
+            raise HFCheckpointError(
+                f"config.json layer_types {layer_types} is not OLMo 3's 3 sliding : 1 full pattern"
+            )
+    full_rope = _rope_of(hf, "full_attention")
+    rope_theta = float(full_rope.get("rope_theta", 500_000.0))
+    sliding_theta = float(_rope_of(hf, "sliding_attention").get("rope_theta", rope_theta))
+    if sliding_window is not None and sliding_theta != rope_theta:
+        raise HFCheckpointError(
+            f"config.json gives sliding layers rope_theta={sliding_theta} and full layers {rope_theta}; "
+            "olmo_eqx supports one theta for both"
+        )
+    yarn = None
+    rope_type = full_rope.get("rope_type", "default")
+    if rope_type == "yarn":
+        yarn = YarnConfig(
+            factor=float(full_rope["factor"]),
+            original_max_position_embeddings=int(full_rope["original_max_position_embeddings"]),
+            beta_fast=float(full_rope.get("beta_fast") or 32.0),
+            beta_slow=float(full_rope.get("beta_slow") or 1.0),
+            attention_factor=full_rope.get("attention_factor"),
+        )
+    elif rope_type != "default":
+        raise HFCheckpointError(f"config.json uses rope_type={rope_type!r}; olmo_eqx supports 'default' and 'yarn'")
+    vocab_size = hf["vocab_size"]
+    fields = dict(
+        name=hf.get("_name_or_path") or f"{model_type}_hf",
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size or _round_up(vocab_size, 128),
+        d_model=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        mlp_hidden=hf["intermediate_size"],
+        sliding_window=sliding_window,
+        rope_theta=rope_theta,
+        yarn=yarn,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def hf_config_dict(config: ModelConfig, *, dtype: str, eos_token_id: Optional[int] = None,
+                   pad_token_id: Optional[int] = None) -> dict:
+    """The `config.json` transformers needs to rebuild `config` as Olmo3ForCausalLM / Olmo2ForCausalLM."""
+    olmo3 = config.sliding_window is not None
+    plain = {"rope_type": "default", "rope_theta": config.rope_theta}
+    full = dict(plain)
+    if config.yarn is not None:
+        y = config.yarn
+        full = {
+            "rope_type": "yarn",
+            "rope_theta": config.rope_theta,
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+        }
+        if y.attention_factor is not None:
+            full["attention_factor"] = y.attention_factor
+    if not olmo3 and config.yarn is not None:
+        raise HFCheckpointError("YaRN needs OLMo 3's per-layer-type RoPE; an all-full-attention model can't carry it")
+    hf = {
+        "architectures": ["Olmo3ForCausalLM" if olmo3 else "Olmo2ForCausalLM"],
+        "model_type": "olmo3" if olmo3 else "olmo2",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.mlp_hidden,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_sequence_length,
+        "initializer_range": config.init_std,
+        "rms_norm_eps": config.rms_norm_eps,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": None,
+        "dtype": dtype,
+    }
+    if olmo3:
+        hf["sliding_window"] = config.sliding_window
+        hf["layer_types"] = config.layer_types
+        hf["rope_parameters"] = {"sliding_attention": plain, "full_attention": full}
+    else:
+        hf["rope_parameters"] = plain
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names
+
+
+def _hf_names(path: tuple[str, ...], layer: Optional[int]) -> tuple[str, bool]:
+    """HF tensor name and whether it is stored transposed, for one of our leaf paths."""
+    top = {
+        ("embed",): ("model.embed_tokens.weight", False),
+        ("final_norm", "weight"): ("model.norm.weight", False),
+        ("lm_head",): ("lm_head.weight", True),
+    }
+    if path in top:
+        return top[path]
+    name, transposed = _LAYER_TENSORS[path[1:]]
+    return f"model.layers.{layer}.{name}", transposed
+
+
+def _leaf_paths(model) -> list[tuple[str, ...]]:
+    return [tuple(k.name for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _open_tensors(directory: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    files = [single] if single.exists() else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise HFCheckpointError(f"{directory} holds no *.safetensors weights (nor model.safetensors.index.json)")
+    located = {}
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            located.update({name: file for name in f.keys()})
+    return located
+
+
+def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
+            param_dtype: str = "float32", **config_overrides) -> OLMo:
+    """Read a local HF OLMo 2 / OLMo 3 checkpoint directory into an `OLMo` model.
+
+    `padded_vocab_size` defaults to the vocabulary rounded up to a multiple of 128;
+    `config_overrides` set numerics such as `compute_dtype` or `attention_impl`.
+    """
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise HFCheckpointError(f"{directory} has no config.json; point load_hf at a HF checkpoint directory")
+    hf = json.loads(config_file.read_text())
+    config = model_config_from_hf(hf, padded_vocab_size=padded_vocab_size, param_dtype=param_dtype,
+                                  **config_overrides)
+    located = _open_tensors(directory)
+    target = abstract_model(config)
+    expected: set[str] = set()
+    handles: dict[Path, object] = {}
+
+    def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in located:
+            raise HFCheckpointError(f"{directory}: tensor {name!r} is missing (expected shape {shape})")
+        file = located[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="flax")
+        tensor = handles[file].get_tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise HFCheckpointError(
+                f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} for {config.name}"
+            )
+        return np.asarray(tensor.astype(jnp.float32))
+
+    arrays = []
+    for path_names, leaf in zip(_leaf_paths(target), jax.tree.leaves(target)):
+        if path_names[0] == "blocks":
+            per_layer = []
+            for layer in range(config.n_layers):
+                name, transposed = _hf_names(path_names, layer)
+                expected.add(name)
+                shape = leaf.shape[1:][::-1] if transposed else leaf.shape[1:]
+                tensor = read(name, tuple(shape))
+                per_layer.append(tensor.T if transposed else tensor)
+            value = np.stack(per_layer)
+        else:
+            name, transposed = _hf_names(path_names, None)
+            expected.add(name)
+            shape = leaf.shape[::-1] if transposed else leaf.shape
+            if path_names in (("embed",), ("lm_head",)):  # stored unpadded on the HF side
+                shape = (config.vocab_size, config.d_model)
+            tensor = read(name, tuple(shape))
+            value = tensor.T if transposed else tensor
+            if path_names == ("embed",):
+                value = np.pad(value, ((0, config.padded_vocab_size - config.vocab_size), (0, 0)))
+            elif path_names == ("lm_head",):
+                value = np.pad(value, ((0, 0), (0, config.padded_vocab_size - config.vocab_size)))
+        arrays.append(jnp.asarray(value, dtype=leaf.dtype))
+    extra = sorted(set(located) - expected)
+    if extra:
+        raise HFCheckpointError(
+            f"{directory}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} "
+            f"not part of {config.name}; is this checkpoint from another architecture?"
+        )
+    return jax.tree.unflatten(jax.tree.structure(target), arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def hf_state_dict(model: OLMo, *, dtype: Optional[str] = None) -> dict[str, jax.Array]:
+    """`model`'s arrays under HF names and layouts (unpadded vocabulary, [out, in] linears).
+
+    Works on any pytree shaped like the model, e.g. its gradients.
+    """
+    config = model.config
+    tensors: dict[str, jax.Array] = {}
+    for path_names, leaf in zip(_leaf_paths(model), jax.tree.leaves(model)):
+        value = jnp.asarray(jax.device_get(leaf), dtype=dtype)
+        if path_names[0] == "blocks":
+            for layer in range(config.n_layers):
+                name, transposed = _hf_names(path_names, layer)
+                tensors[name] = value[layer].T if transposed else value[layer]
+            continue
+        name, transposed = _hf_names(path_names, None)
+        if path_names == ("embed",):
+            value = value[: config.vocab_size]
+        elif path_names == ("lm_head",):
+            value = value[:, : config.vocab_size]
+        tensors[name] = value.T if transposed else value
+    return {name: jnp.array(t) for name, t in tensors.items()}  # contiguous copies for safetensors
+
+
+def save_hf(model: OLMo, path: str | os.PathLike, *, dtype: Optional[str] = None,
+            max_shard_bytes: int = 5 * 2**30, eos_token_id: Optional[int] = None,
+            pad_token_id: Optional[int] = None) -> None:
+    """Write `model` as a HF checkpoint directory that `transformers` loads as Olmo3/Olmo2ForCausalLM.
+
+    Weights are cast to `dtype` (default: the model's parameter dtype); more than
+    `max_shard_bytes` of weights are split into shards with an index file.
+    """
+    config = model.config
+    dtype = dtype or config.param_dtype
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model, dtype=dtype)
+
+    shards: list[dict[str, jax.Array]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor.nbytes
+    for old in directory.glob("model*.safetensors*"):
+        old.unlink()  # never leave stale shards beside a new index
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf = hf_config_dict(config, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))

@@ -1,0 +1,81 @@
+"""Named model configurations: OLMo 3 and OLMo 2 as OLMo-core defines them, plus `olmo3_tiny`.
+
+Sizes follow OLMo-core's `TransformerConfig.olmo2_*` / `olmo3_*` constructors: the MLP width is
+`8/3 * d_model`, optionally times a multiplier, rounded up to a multiple (256 unless noted).
+Every named model uses the dolma2 vocabulary (100278 tokens, padded to 100352); OLMo 3 adds the
+3:1 sliding-window pattern (window 4096, every fourth layer full attention).
+"""
+
+import math
+
+from .config import ModelConfig
+
+DOLMA2_VOCAB = 100_278
+DOLMA2_PADDED_VOCAB = 100_352
+
+
+def _mlp_hidden(d_model: int, multiplier: float | None, multiple_of: int) -> int:
+    hidden = int(8 * d_model / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+# name suffix: (d_model, n_layers, n_heads, n_kv_heads, mlp multiplier, multiple_of)
+_OLMO2_SHAPES = {
+    "14m": (128, 4, 8, 8, None, 256),
+    "30m": (256, 4, 8, 8, None, 256),
+    "60m": (384, 8, 8, 8, 1.5, 256),
+    "100m": (512, 12, 8, 8, 1.5, 256),
+    "190m": (768, 12, 12, 12, 1.5, 256),
+    "370m": (1024, 16, 16, 16, 1.5, 256),
+    "600m": (1344, 16, 16, 16, 1.5, 256),
+    "760m": (1536, 16, 16, 16, 1.5, 256),
+    "1b": (2048, 16, 16, 16, 1.5, 256),  # OLMo-core's olmo2_1B_v2 (olmo2_1B has 18 layers)
+    "3b": (3328, 16, 16, 16, 1.5, 256),
+    "7b": (4096, 32, 32, 32, None, 256),
+    "13b": (5120, 40, 40, 40, None, 256),
+    "32b": (5120, 64, 40, 8, 27648 / (8 * 5120 / 3), 512),
+}
+
+
+def _named(family: str, size: str, d_model, n_layers, n_heads, n_kv_heads, multiplier, multiple_of) -> ModelConfig:
+    return ModelConfig(
+        name=f"{family}_{size}",
+        vocab_size=DOLMA2_VOCAB,
+        padded_vocab_size=DOLMA2_PADDED_VOCAB,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=d_model // n_heads,
+        mlp_hidden=_mlp_hidden(d_model, multiplier, multiple_of),
+        sliding_window=4096 if family == "olmo3" else None,
+        max_sequence_length=8192 if family == "olmo3" else 4096,
+    )
+
+
+def _build_zoo() -> dict[str, ModelConfig]:
+    zoo = {}
+    for size, shape in _OLMO2_SHAPES.items():
+        zoo[f"olmo2_{size}"] = _named("olmo2", size, *shape)
+        olmo3_shape = shape
+        if size == "600m":  # OLMo-core narrows the OLMo 3 600M to d_model 1280
+            olmo3_shape = (1280,) + shape[1:]
+        zoo[f"olmo3_{size}"] = _named("olmo3", size, *olmo3_shape)
+    zoo["olmo3_tiny"] = ModelConfig()
+    # A grouped-query twin of the tiny model, for tests of the GQA paths.
+    zoo["olmo3_tiny_gqa"] = ModelConfig(name="olmo3_tiny_gqa", n_kv_heads=2)
+    return zoo
+
+
+ZOO: dict[str, ModelConfig] = _build_zoo()
+
+
+def get_model_config(name: str, **overrides) -> ModelConfig:
+    """The named configuration, with optional field overrides (e.g. `padded_vocab_size=...`)."""
+    try:
+        config = ZOO[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; choose one of: {', '.join(sorted(ZOO))}") from None
+    return config.replace(**overrides) if overrides else config
