@@ -1,0 +1,84 @@
+"""`python -m olmo_eqx +stage=NAME [overrides]`: compose the config, find the stage, run it.
+
+Without a stage it lists the installed stages and exits 0. A config that does not check out
+(unknown key, wrong type, invalid value) stops here with exit status 2 and one line naming the
+key, before any stage code runs.
+
+In a sweep (`-m`), Hydra's default launcher would run every job in this one process, carrying
+JAX's state and device memory from job to job. So each job re-runs this command, with its own
+overrides and run directory, in a fresh Python process; this process only waits for it and
+reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the end).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from olmo_eqx.config import CONF_DIR, ConfigError, register_configs, to_config
+from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points, stage_settings
+from olmo_eqx.sweep import SUMMARY_FILE
+
+
+def list_stages() -> None:
+    points = stage_entry_points()
+    if not points:
+        print(f"No stages are installed (entry-point group {ENTRY_POINT_GROUP!r}). Did you `pip install -e .`?")
+        return
+    print(f"Installed stages (entry-point group {ENTRY_POINT_GROUP!r}):")
+    width = max(len(n) for n in points)
+    for name, point in points.items():
+        try:
+            text = describe(load_stage(name))
+        except StageError as e:
+            text = f"(cannot load: {e})"
+        print(f"  {name:<{width}}  {text}  [{point.value}]")
+    print("\nRun one with: python -m olmo_eqx +stage=NAME [group=option ...] [key=value ...]")
+
+
+def run_job_in_subprocess(hydra_config, run_dir: Path) -> Optional[dict]:
+    """Run this sweep job as a single run in a fresh process; return its summary."""
+    command = [sys.executable, "-m", "olmo_eqx", *hydra_config.overrides.task, f"hydra.run.dir={run_dir}"]
+    print(f"[sweep] job {hydra_config.job.num}: {' '.join(hydra_config.overrides.task)} -> {run_dir}", flush=True)
+    result = subprocess.run(command, env=os.environ.copy())
+    if result.returncode != 0:
+        raise RuntimeError(f"sweep job {hydra_config.job.num} exited with status {result.returncode}; see {run_dir}")
+    summary = run_dir / SUMMARY_FILE
+    return json.loads(summary.read_text()) if summary.exists() else None
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> Optional[dict]:
+    hydra_config = HydraConfig.get()
+    name = hydra_config.runtime.choices.get("stage")
+    if name is None:
+        list_stages()
+        return None
+    run_dir = Path(hydra_config.runtime.output_dir).resolve()
+    try:
+        config = to_config(cfg)
+        stage = load_stage(name)
+        config = dataclasses.replace(config, stage=stage_settings(stage, name, config.stage))
+    except (ConfigError, StageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if hydra_config.mode == RunMode.MULTIRUN:
+        return run_job_in_subprocess(hydra_config, run_dir)
+    return stage.run(config, run_dir)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

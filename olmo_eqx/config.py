@@ -1,0 +1,312 @@
+"""The run configuration: one frozen dataclass per Hydra group, checked before any work starts.
+
+Every group of `conf/` (model, data, optim, schedule, mesh, checkpoint, trainer) is backed by
+the *real* dataclass of the room that owns it (`ModelConfig`, `OptimConfig`, `MeshConfig`, ...);
+nothing here repeats their fields. Hydra needs mutable dataclasses of types OmegaConf knows,
+while the library's configs are frozen and use `Literal`s and tuples, so `schema_of` derives a
+mirror of each one automatically (Literal -> str, tuple -> list) and registers it in Hydra's
+ConfigStore. Hydra then rejects an unknown key (`trainer.stepz=3`) or a wrong type
+(`trainer.steps=abc`) while composing, naming the key. `build` turns the composed config back
+into the real frozen dataclasses, checking each Literal and running each `__post_init__`, and
+names the key of anything it rejects.
+
+The model group is filled from the model zoo (`olmo_eqx.models.zoo`): `model=olmo3_190m`
+selects that entry and `model.n_layers=8` edits one field of it.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from olmo_eqx.models.config import ModelConfig
+from olmo_eqx.models.zoo import ZOO
+from olmo_eqx.sharding import MeshConfig
+from olmo_eqx.train.optim import OptimConfig
+from olmo_eqx.train.schedules import ScheduleConfig
+
+# Where `python -m olmo_eqx` finds its YAML (an editable install runs from the source tree).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A composed config that cannot be used; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which tokens to train on and how they are cut and ordered (olmo3-spec section 4)."""
+
+    # "embedded": the corpus shipped with the package (Python stdlib source, 4096-token BPE).
+    # Otherwise an OLMo-core mix manifest (.txt; needs data_root and tokenizer) or a glob of
+    # token files.
+    source: str = "embedded"
+    data_root: Optional[str] = None
+    tokenizer: Optional[str] = None
+    # Held-out token files (a glob); None uses the embedded corpus's held-out split.
+    heldout: Optional[str] = None
+    sequence_length: int = 256
+    global_batch_size: int = 16
+    seed: int = 34521
+    # Zero the loss of instances with >= 32 repeats of an n-gram (OLMo 3's instance filter).
+    filter_repeated_ngrams: bool = False
+
+    def __post_init__(self):
+        if self.sequence_length < 2:
+            raise ValueError(f"sequence_length={self.sequence_length} must be >= 2")
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size={self.global_batch_size} must be >= 1")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are written, and which one to start from."""
+
+    # Absolute directory; None means `<run dir>/checkpoints`.
+    dir: Optional[str] = None
+    # Save every this many steps (and always at the end and on SIGTERM/SIGINT); 0: only those.
+    every: int = 100
+    keep_last: int = 2
+    # Also keep every step that is a multiple of this (None: none extra).
+    keep_every: Optional[int] = None
+    # Resume from the latest complete checkpoint in `dir` when there is one.
+    resume: bool = True
+    # A checkpoint to start from (later stages: anneal, eval); a step directory or a run's dir.
+    load: Optional[str] = None
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep_last < 1:
+            raise ValueError("every must be >= 0 and keep_last >= 1")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The loop around the train step: how long, how often to log and evaluate."""
+
+    # Optimiser steps of the whole run (the schedule's horizon).
+    steps: int = 300
+    # Print a metrics line (and append to metrics.jsonl) every this many steps.
+    log_every: int = 10
+    # Held-out loss every this many steps (and at the last step); 0 disables it.
+    eval_every: int = 50
+    # Held-out batches per evaluation (each of the global batch size).
+    eval_batches: int = 4
+    # Seed of the model's initialisation (the data order has its own seed in `data`).
+    seed: int = 0
+    # Stop after this step with a checkpoint, as a preemption would; the schedule still
+    # spans `steps`, so a later run without it continues exactly where this one stopped.
+    stop_at: Optional[int] = None
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.log_every < 1:
+            raise ValueError(f"log_every={self.log_every} must be >= 1")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError("eval_every must be >= 0 and eval_batches >= 1")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise ValueError(f"stop_at={self.stop_at} must lie in 1..steps={self.steps}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run reads. `stage` holds the running stage's own settings, if any."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Free-form here; the stage's `config_class` (if it has one) checks it, see olmo_eqx.stages.
+    stage: Dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen library dataclasses <-> mutable Hydra schemas.
+
+_SCHEMAS: dict[type, type] = {}
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _schema_type(tp):
+    """The OmegaConf-compatible annotation standing in for `tp`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        kinds = {type(a) for a in typing.get_args(tp)}
+        if len(kinds) != 1:
+            raise TypeError(f"mixed-type Literal {tp} cannot be a config field")
+        return kinds.pop()
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return Optional[_schema_type(args[0])]
+        return Any  # OmegaConf has no general unions; `build` still checks the value
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return List[_schema_type(args[0])] if len(set(args)) == 1 else List[Any]
+    if origin is dict:
+        return Dict[str, Any]
+    if dataclasses.is_dataclass(tp):
+        return schema_of(tp)
+    return tp
+
+
+def _schema_default(value):
+    if dataclasses.is_dataclass(value):
+        return schema_of(type(value))(**{f.name: _schema_default(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    if isinstance(value, tuple):
+        return [_schema_default(v) for v in value]
+    return value
+
+
+def _schema_field(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        default = _schema_default(f.default)
+    elif f.default_factory is not dataclasses.MISSING:
+        default = _schema_default(f.default_factory())
+    else:
+        return field()
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda d=default: _copy(d))
+    return field(default=default)
+
+
+def _copy(value):
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value)
+    return value
+
+
+def schema_of(cls: type) -> type:
+    """A mutable, OmegaConf-typed mirror of the dataclass `cls` (same fields and defaults)."""
+    if cls not in _SCHEMAS:
+        hints = typing.get_type_hints(cls)
+        fields = [
+            (f.name, _schema_type(hints[f.name]), _schema_field(f)) for f in dataclasses.fields(cls) if f.init
+        ]
+        _SCHEMAS[cls] = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
+        _SCHEMAS[cls].__doc__ = f"Hydra schema mirroring {cls.__module__}.{cls.__qualname__}."
+    return _SCHEMAS[cls]
+
+
+def schema_node(value) -> Any:
+    """A schema instance holding the values of the library dataclass instance `value`."""
+    return _schema_default(value)
+
+
+def _check(value, tp, key: str):
+    """Convert a plain (OmegaConf container) value to annotation `tp`, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(typing.get_args(tp))}")
+        return value
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key} must not be null")
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}={value!r} fits none of {tp}")
+    if value is None:
+        raise ConfigError(f"{key} must not be null (expected {getattr(tp, '__name__', tp)})")
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        args = typing.get_args(tp)
+        if origin is tuple and args and Ellipsis not in args:
+            if len(args) != len(value):
+                raise ConfigError(f"{key} must have {len(args)} entries, got {len(value)}")
+            items = [_check(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_check(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{key}={value!r} must be of type {tp.__name__}")
+    return value
+
+
+def build(cls: type, values: Any, key: str = "") -> Any:
+    """The frozen dataclass `cls` from a mapping of plain values (a composed config section).
+
+    Unknown keys, Literal values outside their choices and `__post_init__` errors all raise
+    `ConfigError` naming the dotted key.
+    """
+    if isinstance(values, DictConfig):
+        values = OmegaConf.to_container(values, resolve=True)
+    if dataclasses.is_dataclass(values):
+        values = dataclasses.asdict(values)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key or 'config'} must be a mapping of {cls.__name__} fields, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        where = f"{key}." if key else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}: {cls.__name__} has {', '.join(names)}")
+    kwargs = {n: _check(values[n], hints[n], f"{key}.{n}" if key else n) for n in names if n in values}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key or cls.__name__}: {e}") from e
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """The composed Hydra config as a checked `Config` (raises `ConfigError`)."""
+    values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    values.pop("hydra", None)
+    return build(Config, values)
+
+
+def config_to_dict(config: Config) -> dict:
+    """Plain data (JSON/YAML-ready) of a config, e.g. for checkpoints and summaries."""
+    return dataclasses.asdict(config)
+
+
+def register_configs() -> None:
+    """Fill Hydra's ConfigStore: the schema, the model zoo, and every installed stage.
+
+    A stage needs an option in the `stage` group for `+stage=NAME` to compose; installed
+    stages get an empty one here, so a third-party stage needs no YAML file. A file
+    `conf/stage/NAME.yaml` takes precedence (it comes first on Hydra's search path).
+    """
+    from olmo_eqx.stages import stage_entry_points  # stages imports this module
+
+    store = ConfigStore.instance()
+    store.store(name="olmo_eqx_schema", node=schema_of(Config))
+    for name, model in ZOO.items():
+        store.store(group="model", name=name, node=schema_node(model))
+    for name in stage_entry_points():
+        if not (CONF_DIR / "stage" / f"{name}.yaml").exists():
+            store.store(group="stage", name=name, node={})

@@ -1,0 +1,65 @@
+"""The end-of-sweep table: one row per job with its overrides and final losses.
+
+Registered as a Hydra callback in `conf/config.yaml` (`hydra.callbacks.sweep_summary`); it
+reads what each job left in its own directory (`.hydra/overrides.yaml`, `summary.json`), so it
+works whatever launched the jobs.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+# Every stage's summary (a JSON object) lands here, in its run directory.
+SUMMARY_FILE = "summary.json"
+
+
+def _loss(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    """One row per job directory under `sweep_dir` (those holding Hydra's `.hydra/`)."""
+    rows = []
+    job_dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
+    for job_dir in sorted(job_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name)):
+        overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
+        summary_path = job_dir / SUMMARY_FILE
+        summary: Optional[dict] = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        rows.append(
+            {
+                "job": job_dir.name,
+                "dir": str(job_dir),
+                "overrides": " ".join(o for o in overrides if not str(o).startswith("+stage=")),
+                "status": "ok" if summary is not None else "failed",
+                "train_loss": None if summary is None else summary.get("final_train_loss"),
+                "heldout_loss": None if summary is None else summary.get("final_heldout_loss"),
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("job", "overrides", "train loss", "held-out loss", "status")
+    body = [
+        (r["job"], r["overrides"] or "(none)", _loss(r["train_loss"]), _loss(r["heldout_loss"]), r["status"])
+        for r in rows
+    ]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *body)]
+    lines = [" | ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in (header, *body)]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class SweepSummary(Callback):
+    """Print (and save as sweep_summary.json) the table of a finished sweep."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        rows = collect(sweep_dir)
+        if not rows:
+            return
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"\nSweep summary ({sweep_dir}):\n{format_table(rows)}", flush=True)
