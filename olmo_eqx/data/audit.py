@@ -15,7 +15,7 @@ files it also checks that no held-out document occurs in the training files. Exi
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from olmo_eqx.data.guard import AuditReport, audit_stream
 from olmo_eqx.data.heldout import heldout_overlap

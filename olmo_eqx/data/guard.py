@@ -8,7 +8,7 @@ the audit simulates several processes before a run starts.
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from jaxtyping import Integer

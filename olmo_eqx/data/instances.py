@@ -8,7 +8,7 @@ permutation (subsample: a fixed random subset; repeat: every instance floor/ceil
 """
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from jaxtyping import Bool, Int, Integer

@@ -13,7 +13,8 @@ Labels are not produced here: the loss shifts `input_ids` left by one itself.
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 from jaxtyping import Bool, Int

@@ -12,7 +12,7 @@ import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from olmo_eqx.data.token_files import DataFileError
 

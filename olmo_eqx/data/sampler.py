@@ -14,7 +14,8 @@ nothing downstream may stride them again (spec section 6: the memorisation bug).
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from jaxtyping import Int
