@@ -72,7 +72,11 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         sys.exit(2)
     if hydra_config.mode == RunMode.MULTIRUN:
         return run_job_in_subprocess(hydra_config, run_dir)
-    return stage.run(config, run_dir)
+    try:
+        return stage.run(config, run_dir)
+    except StageError as e:  # the stage rejected its input: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:

@@ -95,7 +95,10 @@ class TrainerConfig:
     # Held-out loss every this many steps (and at the last step); 0 disables it.
     eval_every: int = 50
     # Held-out batches per evaluation (each of the global batch size).
-    eval_batches: int = 4
+    eval_batches: int = 8
+    # Gradient accumulation: the global batch is split into this many sequential slices, so
+    # the batch (and the recipe) stays fixed when fewer devices hold less at a time.
+    micro_batches: int = 1
     # Seed of the model's initialisation (the data order has its own seed in `data`).
     seed: int = 0
     # Stop after this step with a checkpoint, as a preemption would; the schedule still
@@ -105,6 +108,8 @@ class TrainerConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches} must be >= 1")
         if self.log_every < 1:
             raise ValueError(f"log_every={self.log_every} must be >= 1")
         if self.eval_every < 0 or self.eval_batches < 1:

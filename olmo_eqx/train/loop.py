@@ -1,0 +1,340 @@
+"""The train loop every training stage shares (pretrain now, anneal later), top to bottom:
+
+    data -> mesh -> restore the latest checkpoint in the run's checkpoint dir, or initialise
+    -> loop: batch -> train_step -> metrics of the *previous* step fetched (so the host never
+       stalls the device) -> log / held-out eval / checkpoint on schedule
+    -> final checkpoint and summary.
+
+Resume is automatic: a checkpoint holds the weights, optimiser state, step and data position
+together, so a rerun with the same output directory continues bit for bit. SIGTERM/SIGINT
+finish the step in flight, save a checkpoint and return normally (exit status 0).
+
+In multi-process runs every process runs this loop; only process 0 prints and writes the
+run directory's files (metrics.jsonl, config.json, summary.json). Orbax coordinates the
+checkpoint writes itself.
+"""
+
+import dataclasses
+import json
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import jax
+import numpy as np
+
+from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer
+from olmo_eqx.config import Config, DataConfig, config_to_dict
+from olmo_eqx.data.embedded import embedded_corpus
+from olmo_eqx.data.heldout import HeldOutSet
+from olmo_eqx.data.instances import InstanceDataset
+from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
+from olmo_eqx.data.mixes import read_mix, source_from_paths
+from olmo_eqx.data.sampler import LoaderState
+from olmo_eqx.data.token_files import DataFileError
+from olmo_eqx.flops import flops_per_token
+from olmo_eqx.models.olmo3 import count_params
+from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
+from olmo_eqx.stages import StageError
+from olmo_eqx.sweep import SUMMARY_FILE
+from olmo_eqx.train.mfu import mfu, peak_flops_per_device
+from olmo_eqx.train.schedules import make_schedule
+from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
+from olmo_eqx.train.step import make_eval_step, make_train_step
+
+METRICS_FILE = "metrics.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, Optional[HeldOutSet]]:
+    """The training instances and the held-out set (None when there is none) of `data`."""
+    seq = data.sequence_length
+    if data.source == "embedded":
+        corpus = embedded_corpus()
+        if corpus.vocab_size > vocab_size:
+            raise DataFileError(
+                f"the embedded corpus has {corpus.vocab_size} token ids but model.vocab_size is {vocab_size}; "
+                f"use a model with vocab_size >= {corpus.vocab_size} (e.g. model=olmo3_tiny)"
+            )
+        train = corpus.train_dataset(seq, filter_repeated_ngrams=data.filter_repeated_ngrams)
+        heldout = corpus.heldout_set(seq)
+    else:
+        if data.source.endswith(".txt"):
+            if not (data.data_root and data.tokenizer):
+                raise DataFileError(f"data.source={data.source!r} is a mix manifest: set data.data_root and data.tokenizer")
+            sources = read_mix(data.source, data.data_root, data.tokenizer)
+        else:
+            sources = [source_from_paths("train", data.source)]
+        train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams)
+        heldout = None
+    if data.heldout is not None:
+        source = source_from_paths("heldout", data.heldout)
+        heldout = HeldOutSet("heldout", InstanceDataset([source], seq, vocab_size))
+    return train, heldout
+
+
+# ---------------------------------------------------------------------------------------------
+# Interruption
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it between steps."""
+
+    def __init__(self):
+        self.signal: Optional[str] = None
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[StopFlag]:
+    """Turn SIGTERM/SIGINT into a flag for the duration (a second SIGINT still interrupts)."""
+    flag = StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag  # signal handlers can only be installed from the main thread
+        return
+
+    def handler(signum, _frame):
+        if flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag.signal = signal.Signals(signum).name
+        print(f"\n{flag.signal} received: finishing this step, then saving a checkpoint", flush=True)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _all_agree(flag: bool) -> bool:
+    """True when any process saw a stop signal (every process must stop at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+
+
+class MetricsLog:
+    """Prints on process 0 and appends JSON lines to `metrics.jsonl` (appending across resumes)."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self._file = open(self.path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def evaluate(eval_step, model, batches: list[dict]) -> tuple[float, float]:
+    """Mean held-out cross-entropy over `batches` and the number of target tokens."""
+    ce = count = 0.0
+    for batch in batches:
+        sums = jax.device_get(eval_step(model, batch))
+        ce, count = ce + float(sums.ce), count + float(sums.count)
+    return ce / max(count, 1.0), count
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(config: Config, run_dir: Path) -> dict:
+    """Train (or resume) per `config`, writing into `run_dir`; returns the summary."""
+    maybe_initialize_distributed()
+    started = time.perf_counter()
+    run_dir = Path(run_dir).resolve()
+    main_process = jax.process_index() == 0
+    trainer, data = config.trainer, config.data
+    if main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    log = MetricsLog(run_dir, main_process)
+
+    # Everything that can reject the config runs before any compilation or checkpoint I/O.
+    try:
+        dataset, heldout = build_datasets(data, config.model.vocab_size)
+        mesh = make_mesh(config.mesh)
+        schedule = make_schedule(config.schedule, config.optim.lr, trainer.steps)
+    except (DataFileError, ValueError) as e:
+        raise StageError(str(e)) from e
+    rules = ShardingRules()
+    checkpoint_dir = Path(config.checkpoint.dir or run_dir / "checkpoints").resolve()
+    checkpointer = Checkpointer(
+        checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
+    )
+
+    # -- state: resume from the latest complete checkpoint, or initialise ------------------
+    latest = checkpointer.latest_step() if config.checkpoint.resume else None
+    loader_state = None
+    if latest is not None:
+        target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+        try:
+            restored = checkpointer.restore(latest, target=target)
+        except CheckpointMismatchError as e:
+            checkpointer.close()
+            raise StageError(f"cannot resume: {e}") from e
+        state = restored.state
+        loader_state = LoaderState.from_dict(restored.loader_state)
+        log.print(f"Resuming from {checkpoint_dir / str(latest)} (step {latest})")
+    else:
+        state = init_train_state(config.model, config.optim, schedule, mesh, rules, jax.random.key(trainer.seed))
+    start_step = latest or 0
+
+    loader = DataLoader(
+        dataset,
+        data.global_batch_size,
+        data.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        state=loader_state,
+    )
+    if loader.step != start_step:
+        raise StageError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
+    sharding = batch_sharding(mesh, rules)
+    eval_batches = []
+    if heldout is not None and trainer.eval_every:
+        for batch in heldout.batches(data.global_batch_size, jax.process_index(), jax.process_count()):
+            if len(eval_batches) == trainer.eval_batches:
+                break
+            eval_batches.append(global_batch_arrays(batch, sharding))
+    train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
+    eval_step = make_eval_step()
+
+    tokens_per_step = data.global_batch_size * data.sequence_length
+    model_flops = flops_per_token(config.model, data.sequence_length)
+    peak = peak_flops_per_device()
+    n_params = count_params(config.model)
+    end_step = trainer.stop_at or trainer.steps
+    log.print(
+        f"{config.model.name}: {n_params:,} parameters | {jax.device_count()} {jax.devices()[0].platform} device(s), "
+        f"mesh {dict(mesh.shape)} | batch {data.global_batch_size} x {data.sequence_length} = {tokens_per_step:,} tokens "
+        f"| steps {start_step} -> {end_step} of {trainer.steps} | run dir {run_dir}"
+    )
+
+    config_dict = config_to_dict(config)
+    last_saved = latest
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        if step != last_saved:
+            checkpointer.save(step, state, loader_state=loader.state, config=config_dict)
+            last_saved = step
+
+    # Throughput excludes the first step of this process (compilation).
+    window = {"time": None, "steps": 0}
+    throughput = {"tokens": 0, "seconds": 0.0}
+    recent_losses: list[float] = []
+    last_heldout: Optional[float] = None
+    pending: Optional[tuple[int, dict]] = None
+
+    def record(step: int, metrics: dict) -> None:
+        """Host side of step `step` (fetched one step late)."""
+        nonlocal last_heldout
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        recent_losses.append(values["loss"])
+        del recent_losses[: -trainer.log_every]
+        now = time.perf_counter()
+        entry = {"step": step, **values}
+        if window["time"] is not None:
+            window["steps"] += 1
+        if step % trainer.log_every == 0 or step == end_step:
+            if window["time"] is not None and window["steps"]:
+                seconds = now - window["time"]
+                throughput["tokens"] += window["steps"] * tokens_per_step
+                throughput["seconds"] += seconds
+                tps = window["steps"] * tokens_per_step / seconds
+                utilisation = mfu(model_flops, tps, jax.device_count(), peak)
+                entry.update(tokens_per_s=tps, mfu=utilisation)
+                speed = f"{tps:,.0f} tok/s | MFU {100 * utilisation:.1f}%" if utilisation else f"{tps:,.0f} tok/s"
+            else:
+                speed = "compiling"
+            log.print(
+                f"step {step:>6}/{trainer.steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} "
+                f"| grad norm {values['grad_norm']:.3f} | {speed}" + (" | SKIPPED" if values["skipped"] else "")
+            )
+            window.update(time=now, steps=0)
+        if window["time"] is None:
+            window.update(time=now, steps=0)
+        log.write(entry)
+
+    interrupted = None
+    try:
+        with stop_on_signals() as stop, Prefetcher(loader, depth=2, transform=lambda b: global_batch_arrays(b, sharding)) as batches:
+            for step in range(start_step + 1, end_step + 1):
+                state, metrics = train_step(state, next(batches))
+                if pending is not None:
+                    record(*pending)
+                pending = (step, metrics)
+                if eval_batches and (step % trainer.eval_every == 0 or step == end_step):
+                    record(*pending)
+                    pending = None
+                    last_heldout, tokens = evaluate(eval_step, state.model, eval_batches)
+                    log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens})
+                    log.print(f"step {step:>6}/{trainer.steps} | held-out loss {last_heldout:.4f} ({heldout.name}, {tokens:,.0f} tokens)")
+                    window["time"] = None  # evaluation time is not training throughput
+                if config.checkpoint.every and step % config.checkpoint.every == 0:
+                    save(step)
+                should_check = jax.process_count() == 1 or step % trainer.log_every == 0
+                if should_check and _all_agree(bool(stop)) and step < end_step:
+                    interrupted = stop.signal or "signal on another process"
+                    end_step = step
+                    break
+            if pending is not None:
+                record(*pending)
+        save(end_step)
+        checkpointer.wait_until_finished()
+    finally:
+        checkpointer.close()
+        log.close()
+
+    completed = end_step == trainer.steps
+    wall = time.perf_counter() - started
+    tps = throughput["tokens"] / throughput["seconds"] if throughput["seconds"] else None
+    summary = {
+        "stage_completed": completed,
+        "interrupted": interrupted,
+        "model": config.model.name,
+        "parameters": n_params,
+        "start_step": start_step,
+        "end_step": end_step,
+        "steps": trainer.steps,
+        "final_train_loss": float(np.mean(recent_losses)) if recent_losses else None,
+        "last_step_loss": recent_losses[-1] if recent_losses else None,
+        "final_heldout_loss": last_heldout,
+        "tokens_per_s": tps,
+        "mfu": mfu(model_flops, tps, jax.device_count(), peak) if tps else None,
+        "wall_time_s": wall,
+        "devices": jax.device_count(),
+        "checkpoint": str(checkpoint_dir / str(end_step)),
+        "run_dir": str(run_dir),
+    }
+    if main_process:
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        status = "done" if completed else f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}); rerun to resume"
+        print(f"\n{status} in {wall:.1f}s | summary: {run_dir / SUMMARY_FILE}\n{json.dumps(summary, indent=2)}", flush=True)
+    return summary
