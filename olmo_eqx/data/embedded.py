@@ -140,6 +140,7 @@ def _train_tokenizer(texts: list[str]):
 
 
 def _tokenize(tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
+    tokenizer.encode_special_tokens = True  # text spelling "<|endoftext|>" is not a document end
     pieces = []
     for encoding in tokenizer.encode_batch(texts):
         pieces.append(np.asarray(encoding.ids, dtype=np.int64))
@@ -179,6 +180,7 @@ def build_embedded_corpus(out_dir: str | os.PathLike) -> dict:
         "train": counts["train"],
         "heldout": counts["heldout"],
         "heldout_modules": [name for name, _ in heldout_docs],
+        "train_modules": [name for name, _ in train_docs],
         "build_seconds": round(time.perf_counter() - started, 2),
     }
     # Written last: a directory holding manifest.json is complete.
@@ -213,6 +215,9 @@ def embedded_corpus(cache_dir: str | os.PathLike | None = None) -> EmbeddedCorpu
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building: wait for it
         if not (root / "manifest.json").is_file():
+            # Builders hold the lock, so any staging directory here was left by a killed build.
+            for stale in root.parent.glob(f".{root.name}.build-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
             try:
                 build_embedded_corpus(staging / "corpus")

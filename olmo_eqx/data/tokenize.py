@@ -108,7 +108,11 @@ def tokenize_file(job: FileJob) -> FileResult:
     started = time.perf_counter()
     key = str(job.tokenizer_path)
     if key not in _tokenizer_cache:
-        _tokenizer_cache[key] = Tokenizer.from_file(key)
+        tokenizer = Tokenizer.from_file(key)
+        # A document that merely mentions "<|endoftext|>" must not end there: encode special
+        # tokens' text as ordinary text; the only EOS ids are the ones appended below.
+        tokenizer.encode_special_tokens = True
+        _tokenizer_cache[key] = tokenizer
     tokenizer = _tokenizer_cache[key]
     dtype = np.dtype(job.dtype).newbyteorder("<")
     tmp = job.output.with_name(job.output.name + f".tmp{os.getpid()}")
