@@ -16,7 +16,7 @@ from typing import Literal, Optional
 
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Real
 
 ScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 
@@ -58,7 +58,7 @@ def make_schedule(config: ScheduleConfig, peak_lr: float, trainer_steps: Optiona
         decay_start = max(warmup, total - round(config.decay_fraction * total))
     decay_len = max(1, total - 1 - decay_start)
 
-    def schedule(step: Int[Array, ""] | int) -> Float[Array, ""]:
+    def schedule(step: Real[Array, ""] | int | float) -> Float[Array, ""]:
         s = jnp.asarray(step, jnp.float32)
         warm = peak * (s + 1.0) / (warmup + 1.0)
         progress = jnp.clip((s - decay_start) / decay_len, 0.0, 1.0)

@@ -4,6 +4,7 @@ The data position is host-side (`olmo_eqx.data.LoaderState`); the checkpoint sto
 this state in the same step directory.
 """
 
+import functools
 from typing import Optional
 
 import equinox as eqx
@@ -84,15 +85,19 @@ def init_train_state(
     with `make_train_step`; the learning rate is not part of the state.
     """
     del schedule
+    return _jitted_init(model_config, optim_config, mesh, rules)(key)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(model_config: ModelConfig, optim_config: OptimConfig, mesh: Mesh, rules: ShardingRules):
+    # Cached so that re-initialising (tests, sweeps in one process) doesn't recompile.
     optimizer = make_optimizer(optim_config)
-    abstract = abstract_train_state(model_config, optim_config)
-    shardings = train_state_shardings(abstract, mesh, rules)
+    shardings = train_state_shardings(abstract_train_state(model_config, optim_config), mesh, rules)
 
     def init(key):
         return new_train_state(OLMo(model_config, key=key), optimizer, optim_config.skip_step_window)
 
-    init = jax.jit(init, out_shardings=shardings)
-    return init(key)
+    return jax.jit(init, out_shardings=shardings)
 
 
 __all__ = [

@@ -7,7 +7,8 @@ AdamW, and the skip-step decision, all on the device with no host sync. Metrics 
 device scalars; the loop should fetch them one step late so the host never stalls the device.
 """
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import equinox as eqx
 import jax
@@ -116,7 +117,7 @@ def make_train_step(
             xs = tuple(_split_micro_batches(x, micro_batches, mesh, rules) for x in (ids, mask))
             (grads, sums), _ = jax.lax.scan(accumulate, zeros, xs)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         lr = schedule(state.step)
         new_params = apply_updates(params, updates, lr)
