@@ -19,6 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from hydra.core.config_store import ConfigStore
@@ -130,7 +131,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Free-form here; the stage's `config_class` (if it has one) checks it, see olmo_eqx.stages.
-    stage: Dict[str, Any] = field(default_factory=dict)
+    stage: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +288,8 @@ def build(cls: type, values: Any, key: str = "") -> Any:
         raise ConfigError(f"{key or cls.__name__}: {e}") from e
 
 
-def to_config(cfg: DictConfig) -> Config:
-    """The composed Hydra config as a checked `Config` (raises `ConfigError`)."""
+def to_config(cfg: Any) -> Config:
+    """The composed Hydra config (a `DictConfig`) as a checked `Config` (raises `ConfigError`)."""
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     values.pop("hydra", None)
     return build(Config, values)
@@ -302,11 +303,13 @@ def config_to_dict(config: Config) -> dict:
 def register_configs() -> None:
     """Fill Hydra's ConfigStore: the schema, the model zoo, and every installed stage.
 
-    A stage needs an option in the `stage` group for `+stage=NAME` to compose; installed
-    stages get an empty one here, so a third-party stage needs no YAML file. A file
-    `conf/stage/NAME.yaml` takes precedence (it comes first on Hydra's search path).
+    A stage needs an option in the `stage` group for `+stage=NAME` to compose. Installed
+    stages without a `conf/stage/NAME.yaml` get one here, holding the defaults of their
+    `config_class` (typed, so Hydra checks `stage.KEY=VALUE` like any other key), so a
+    third-party stage needs no YAML file. (Registering both a file and an entry would make
+    Hydra validate one against the other, a deprecated behaviour that warns.)
     """
-    from olmo_eqx.stages import stage_entry_points  # stages imports this module
+    from olmo_eqx.stages import stage_config_class, stage_entry_points  # stages imports this module
 
     store = ConfigStore.instance()
     store.store(name="olmo_eqx_schema", node=schema_of(Config))
@@ -314,4 +317,17 @@ def register_configs() -> None:
         store.store(group="model", name=name, node=schema_node(model))
     for name in stage_entry_points():
         if not (CONF_DIR / "stage" / f"{name}.yaml").exists():
-            store.store(group="stage", name=name, node={})
+            config_class = stage_config_class(name)
+            store.store(group="stage", name=name, node=schema_node(config_class()) if config_class else {})
+
+
+def compose_config(overrides: Sequence[str] = ()) -> Config:
+    """The checked `Config` that `python -m olmo_eqx OVERRIDES...` would run (no run dir).
+
+    For notebooks, tests and stages that start other runs. `hydra.*` overrides do not apply.
+    """
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=list(overrides)))

@@ -66,6 +66,16 @@ def load_stage(name: str) -> Stage:
     return stage
 
 
+def stage_config_class(name: str) -> Optional[type]:
+    """The stage's settings dataclass, or None (also when the stage cannot be loaded: the
+    error then surfaces, with its cause, when the stage is listed or run)."""
+    try:
+        config_class = getattr(load_stage(name), "config_class", None)
+    except StageError:
+        return None
+    return config_class if dataclasses.is_dataclass(config_class) else None
+
+
 def describe(stage: Any) -> str:
     """The stage's one-line description (its `description`, else its docstring's first line)."""
     text = getattr(stage, "description", None) or (type(stage).__doc__ or "").strip()

@@ -1,0 +1,34 @@
+"""Shared helpers of the CLI / stage / pretrain tests: run `python -m olmo_eqx` in a subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+# A seconds-scale pretrain run: the nano model, short sequences, a dozen steps.
+TINY = [
+    "+stage=pretrain",
+    "model=olmo3_nano",
+    "data.sequence_length=64",
+    "data.global_batch_size=8",
+    "trainer.steps=12",
+    "trainer.log_every=2",
+    "trainer.eval_every=6",
+    "trainer.eval_batches=1",
+    "schedule.warmup_steps=2",
+    "checkpoint.every=6",
+]
+
+
+def olmo_eqx(*args: str, env: Optional[dict] = None, timeout: float = 300, cwd: Optional[Path] = None):
+    """`python -m olmo_eqx ARGS` with the test environment (8 fake CPU devices); never raises."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_eqx", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )

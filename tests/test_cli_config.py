@@ -1,0 +1,69 @@
+"""The command line and the structured config: listing stages, and bad configs failing early."""
+
+import dataclasses
+
+import pytest
+
+from olmo_eqx.config import Config, ConfigError, build, compose_config, schema_of
+from olmo_eqx.models.zoo import get_model_config
+from olmo_eqx.train.optim import OptimConfig
+
+from clihelp import TINY, olmo_eqx
+
+
+def test_no_stage_lists_installed_stages():
+    result = olmo_eqx()
+    assert result.returncode == 0, result.stderr
+    assert "pretrain" in result.stdout
+    assert "+stage=NAME" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.stepz=3", "trainer.stepz"),  # a typo
+        ("trainer.steps=abc", "trainer.steps"),  # a wrong type
+        ("model.param_dtype=float16", "model.param_dtype"),  # outside a Literal's choices
+    ],
+)
+def test_bad_config_fails_before_work_naming_the_key(tmp_path, override, key):
+    result = olmo_eqx(*TINY, override, f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert key in output, output
+    # Nothing ran: no training line, no metrics, no checkpoint.
+    assert "parameters" not in output
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_default_config_is_the_zoo_tiny_model_and_the_recipe():
+    config = compose_config(["+stage=pretrain"])
+    assert config.model == get_model_config("olmo3_tiny")
+    assert config.data.source == "embedded" and config.data.sequence_length == 256
+    assert config.optim.b1 == 0.9 and config.optim.b2 == 0.95 and config.optim.weight_decay == 0.1
+    assert config.checkpoint.dir is None  # -> <run dir>/checkpoints
+    assert config.stage == {}
+
+
+def test_model_group_is_the_zoo_and_fields_override():
+    assert compose_config(["model=olmo3_7b"]).model == get_model_config("olmo3_7b")
+    config = compose_config(["model=olmo2_1b", "model.n_layers=8"])
+    assert config.model == dataclasses.replace(get_model_config("olmo2_1b"), n_layers=8)
+
+
+def test_post_init_errors_name_the_group():
+    with pytest.raises(ConfigError, match="model"):
+        compose_config(["model.n_heads=3"])  # n_heads not a multiple of n_kv_heads
+
+
+def test_schema_mirrors_library_dataclasses():
+    # Tuples and Literals become list/str for OmegaConf and come back typed.
+    schema = schema_of(OptimConfig)
+    assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in dataclasses.fields(OptimConfig)]
+    assert build(OptimConfig, dataclasses.asdict(OptimConfig())) == OptimConfig()
+    with pytest.raises(ConfigError, match="unknown key optim.lrr"):
+        build(OptimConfig, {"lrr": 1.0}, "optim")
+    with pytest.raises(ConfigError, match="optim.lr"):
+        build(OptimConfig, {"lr": "fast"}, "optim")
+    assert isinstance(build(Config, {}), Config)
