@@ -1,0 +1,183 @@
+"""Checkpoints: bitwise resume, 8 -> 4 -> 1 device restore, half-written steps ignored,
+SIGKILL during a save, mismatched model refused, retention, HF export."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmo_eqx.checkpoint import COMMIT_MARKER, CheckpointMismatchError, Checkpointer, export_hf
+from olmo_eqx.data.sampler import LoaderState
+from olmo_eqx.models.config import ModelConfig
+from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh
+from olmo_eqx.train.optim import OptimConfig
+from olmo_eqx.train.schedules import ScheduleConfig, make_schedule
+from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
+from olmo_eqx.train.step import make_train_step
+
+TINY = ModelConfig(
+    d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128,
+    vocab_size=256, padded_vocab_size=256, sliding_window=16,
+)
+OPTIM = OptimConfig(lr=3e-3)
+SCHEDULE = make_schedule(ScheduleConfig(name="cosine", warmup_steps=2), OPTIM.lr, 20)
+K, N = 3, 3  # checkpoint after K steps, then N more
+LOADER = LoaderState(seed=34521, epoch=0, step=K, instances_consumed=K * 16, fingerprint="test")
+
+
+def batch_for(step: int, mesh):
+    ids = jax.random.randint(jax.random.key(100 + step), (16, 32), 0, TINY.vocab_size, dtype=jnp.int32)
+    sharding = batch_sharding(mesh)
+    return {"input_ids": jax.device_put(ids, sharding), "loss_mask": jax.device_put(jnp.ones((16, 32)), sharding)}
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return make_mesh(MeshConfig())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mesh8):
+    """An uninterrupted run of K + N steps that saved a checkpoint after step K on 8 devices."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    step8 = make_train_step(OPTIM, SCHEDULE, mesh=mesh8)
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    checkpointer = Checkpointer(directory, keep_last=3)
+    losses = []
+    for step in range(K + N):
+        if step == K:
+            # save() returns once the arrays are off the devices, so donating them next is safe.
+            checkpointer.save(step, state, loader_state=LOADER, config={"optim": {"lr": OPTIM.lr}})
+        state, metrics = step8(state, batch_for(step, mesh8))
+        losses.append(np.asarray(metrics["loss"]))
+    checkpointer.close()
+    return {"dir": directory, "losses": losses, "final": host(state), "step8": step8}
+
+
+def test_resume_is_bitwise(reference, mesh8):
+    checkpointer = Checkpointer(reference["dir"])
+    assert checkpointer.latest_step() == K
+    restored = checkpointer.restore(target=sharded_abstract_train_state(TINY, OPTIM, mesh8))
+    assert restored.step == K and int(restored.state.step) == K
+    assert LoaderState.from_dict(restored.loader_state) == LOADER
+    assert restored.config == {"optim": {"lr": OPTIM.lr}} and restored.model_config == TINY
+    state = restored.state
+    for step in range(K, K + N):
+        state, metrics = reference["step8"](state, batch_for(step, mesh8))
+        np.testing.assert_array_equal(np.asarray(metrics["loss"]), reference["losses"][step])
+    for a, b in zip(jax.tree.leaves(host(state)), jax.tree.leaves(reference["final"])):
+        np.testing.assert_array_equal(a, b)
+    checkpointer.close()
+
+
+@pytest.mark.parametrize("n_devices", [4, 1])
+def test_restore_on_fewer_devices(reference, n_devices):
+    mesh = make_mesh(MeshConfig(), jax.devices()[:n_devices])
+    checkpointer = Checkpointer(reference["dir"])
+    restored = checkpointer.restore(target=sharded_abstract_train_state(TINY, OPTIM, mesh))
+    checkpointer.close()
+    assert restored.state.model.lm_head.sharding.mesh.size == n_devices
+    step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
+    _, metrics = step(restored.state, batch_for(K, mesh))
+    np.testing.assert_allclose(np.asarray(metrics["loss"]), reference["losses"][K], rtol=2e-6)
+
+
+def test_half_written_steps_are_ignored(reference, tmp_path, mesh8):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(reference["dir"], directory)
+    # A step dir that never got its commit marker (copied, synced or written non-atomically) ...
+    shutil.copytree(directory / str(K), directory / "7")
+    (directory / "7" / COMMIT_MARKER).unlink()
+    # ... and Orbax's own in-flight tmp dir of a save that was killed.
+    shutil.copytree(directory / str(K), directory / "9.orbax-checkpoint-tmp-1234567")
+    checkpointer = Checkpointer(directory)
+    assert checkpointer.latest_step() == K and checkpointer.all_steps() == [K]
+    with pytest.raises(FileNotFoundError, match="step 7"):
+        checkpointer.restore(7, target=sharded_abstract_train_state(TINY, OPTIM, mesh8))
+    checkpointer.close()
+
+
+SIGKILL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax
+    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.models.config import ModelConfig
+    from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
+    from olmo_eqx.train.optim import OptimConfig
+    from olmo_eqx.train.state import init_train_state
+
+    # ~150 MB of state: far more than can reach the disk between save() returning and the kill.
+    config = ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=1024,
+                         vocab_size=16384, padded_vocab_size=16384, sliding_window=16)
+    state = init_train_state(config, OptimConfig(), None, make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
+    checkpointer = Checkpointer(sys.argv[1])
+    checkpointer.save(1, state)
+    checkpointer.wait_until_finished()
+    checkpointer.save(2, state)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_sigkill_during_save_resumes_from_previous(tmp_path):
+    directory = tmp_path / "ckpt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", SIGKILL_SCRIPT, str(directory)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert not (directory / "2" / COMMIT_MARKER).exists()
+    checkpointer = Checkpointer(directory)
+    assert checkpointer.latest_step() == 1
+    checkpointer.close()
+
+
+def test_mismatched_model_config_is_refused(reference, mesh8):
+    checkpointer = Checkpointer(reference["dir"])
+    other = TINY.replace(n_layers=8, mlp_hidden=256)
+    with pytest.raises(CheckpointMismatchError, match=r"n_layers: .* has 4, requested 8.*mlp_hidden"):
+        checkpointer.restore(target=sharded_abstract_train_state(other, OPTIM, mesh8))
+    # Settings that don't touch the weights (attention kernel, remat, compute dtype) may differ.
+    runtime = TINY.replace(attention_impl="reference", remat="full")
+    restored = checkpointer.restore(target=sharded_abstract_train_state(runtime, OPTIM, mesh8))
+    assert restored.state.model.config == runtime
+    checkpointer.close()
+
+
+def test_retention_keeps_last_and_every(tmp_path, monkeypatch, mesh8):
+    monkeypatch.chdir(tmp_path)
+    checkpointer = Checkpointer("relative/ckpt", keep_last=2, keep_every=4, async_save=False)
+    assert checkpointer.directory == tmp_path / "relative" / "ckpt"  # made absolute
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    for step in range(1, 10):
+        checkpointer.save(step, state)
+    checkpointer.wait_until_finished()
+    assert checkpointer.all_steps() == [4, 8, 9]
+    checkpointer.close()
+
+
+def test_export_hf(reference, tmp_path):
+    hf = pytest.importorskip("olmo_eqx.hf")
+    out = export_hf(reference["dir"], tmp_path / "hf")
+    assert (out / "config.json").exists()
+    model = hf.load_hf(out, padded_vocab_size=TINY.padded_vocab_size)
+    checkpointer = Checkpointer(reference["dir"])
+    from olmo_eqx.models.olmo3 import abstract_model
+
+    saved = checkpointer.restore_model(target=abstract_model(TINY))
+    checkpointer.close()
+    np.testing.assert_array_equal(np.asarray(model.embed), np.asarray(saved.embed))
+    np.testing.assert_array_equal(np.asarray(model.blocks.mlp.down_proj), np.asarray(saved.blocks.mlp.down_proj))
