@@ -149,3 +149,24 @@ def test_filter_zeroes_the_loss_mask_of_the_instance(tmp_path):
     ds = InstanceDataset([source_from_paths("x", path)], 64, VOCAB, filter_repeated_ngrams=True)
     _, mask = ds.read(np.array([0, 1]))
     assert mask[0].all() and not mask[1].any()
+
+
+def _brute_force_keep(row, max_period, max_count):
+    for period in range(1, max_period + 1):
+        for start in range(len(row) - period + 1):
+            gram, copies, at = row[start : start + period], 1, start + period
+            while at + period <= len(row) and np.array_equal(row[at : at + period], gram):
+                copies, at = copies + 1, at + period
+            if copies >= max_count:
+                return False
+    return True
+
+
+def test_repeated_ngram_filter_matches_brute_force():
+    rng = np.random.default_rng(3)
+    # a tiny alphabet and a low threshold make repeats of every period common
+    batch = rng.integers(0, 3, size=(200, 40))
+    batch[::7, 5:20] = np.tile([1, 2, 0], 5)
+    want = [_brute_force_keep(row, max_period=4, max_count=4) for row in batch]
+    assert 20 < sum(want) < 180  # both outcomes occur
+    np.testing.assert_array_equal(repeated_ngram_keep(batch, max_period=4, max_count=4), want)

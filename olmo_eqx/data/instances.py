@@ -40,11 +40,17 @@ def repeated_ngram_keep(
     for period in range(min_period, max_period + 1):
         if period * max_count > seq:
             break
+        needed = (max_count - 1) * period  # matches in a row that make max_count repeats
         equal = input_ids[:, period:] == input_ids[:, :-period]
+        # Ordinary text has few matches at any period: only rows with enough of them can hold a run.
+        rows = np.flatnonzero(equal.sum(axis=1) >= needed)
+        if rows.size == 0:
+            continue
+        equal = equal[rows]
         count = np.cumsum(equal, axis=1)
         last_reset = np.maximum.accumulate(np.where(equal, 0, count), axis=1)
         longest = (count - last_reset).max(axis=1)
-        keep &= (longest + period) // period < max_count
+        keep[rows[longest >= needed]] = False
     return keep
 
 
