@@ -48,7 +48,8 @@ class RepeatGuard:
         ids = np.asarray(instance_ids, dtype=np.int64)
         epoch = step // self.steps_per_epoch
         if epoch != self._epoch:
-            self._bits[:] = 0
+            # A fresh calloc'd array rather than zero-filling: untouched pages cost no memory.
+            self._bits = np.zeros(self._bits.shape, dtype=np.uint8)
             self._history.clear()
             self._history_size = 0
             self._epoch = epoch

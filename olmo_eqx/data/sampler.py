@@ -97,9 +97,11 @@ class StepSampler:
 
     def permutation(self, epoch: int) -> FeistelPermutation:
         """Epoch `epoch`'s order over all ids (a fresh bijection per epoch)."""
-        if self._cached is None or self._cached[0] != epoch:
-            self._cached = (epoch, FeistelPermutation(self.num_instances, derive_seed(self.seed, epoch)))
-        return self._cached[1]
+        cached = self._cached  # one read: a prefetch thread may swap it concurrently
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, FeistelPermutation(self.num_instances, derive_seed(self.seed, epoch)))
+            self._cached = cached
+        return cached[1]
 
     def rows(self, step: int, lo: int, hi: int) -> Int[np.ndarray, " rows"]:
         """Instance ids of rows [lo, hi) of global batch `step`."""
