@@ -104,6 +104,9 @@ def spec_for(axes: LogicalAxes, shape: tuple[int, ...], mesh: Mesh, rules: Shard
     for name, size in zip(axes, shape):
         mesh_axes = rules.mesh_axes(name)
         names = () if mesh_axes is None else (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,))
+        # Size-1 mesh axes shard nothing; leaving them out keeps printed layouts readable.
+        names = tuple(n for n in names if mesh.shape[n] > 1)
+        mesh_axes = names[0] if len(names) == 1 else (names or None)
         if not names or used & set(names) or size % _axis_size(mesh, mesh_axes):
             spec.append(None)
             continue

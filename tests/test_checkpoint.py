@@ -140,8 +140,11 @@ def test_sigkill_during_save_resumes_from_previous(tmp_path):
     )
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     assert not (directory / "2" / COMMIT_MARKER).exists()
+    # The kill really landed mid-save: Orbax's uncommitted tmp dir is what step 2 left.
+    assert any("tmp" in p.name for p in directory.iterdir()), sorted(p.name for p in directory.iterdir())
     checkpointer = Checkpointer(directory)
     assert checkpointer.latest_step() == 1
+    assert not any("tmp" in p.name for p in directory.iterdir())  # cleaned up on open
     checkpointer.close()
 
 

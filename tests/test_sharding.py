@@ -1,0 +1,120 @@
+"""Mesh, logical-axis rules, train-state layout and the multi-process bootstrap."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from olmo_eqx.models.config import ModelConfig
+from olmo_eqx.models.olmo3 import LogicalAxes
+from olmo_eqx.sharding import (
+    MeshConfig,
+    ShardingRules,
+    batch_sharding,
+    make_mesh,
+    maybe_initialize_distributed,
+    model_shardings,
+    spec_for,
+    train_state_shardings,
+)
+from olmo_eqx.train.optim import OptimConfig
+from olmo_eqx.train.state import abstract_train_state
+
+TINY = ModelConfig(
+    d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128,
+    vocab_size=256, padded_vocab_size=256, sliding_window=16,
+)
+
+
+def test_mesh_shapes_and_axis_types():
+    mesh = make_mesh(MeshConfig())
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 3  # not jax 0.10's Explicit default
+    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert make_mesh(MeshConfig(), jax.devices()[:4]).size == 4
+    for bad in (MeshConfig(data=3), MeshConfig(data=-1, fsdp=-1), MeshConfig(fsdp=2, tensor=2)):
+        with pytest.raises(ValueError, match="mesh"):
+            make_mesh(bad)
+
+
+def test_spec_replicates_what_the_mesh_does_not_divide():
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    rules = ShardingRules()
+    assert spec_for(LogicalAxes(("embed", "mlp")), (64, 128), mesh, rules) == P("fsdp", "tensor")
+    assert spec_for(LogicalAxes(("embed", "mlp")), (6, 128), mesh, rules) == P(None, "tensor")
+    assert spec_for(LogicalAxes(("layers", "kv_heads", "embed")), (4, 3, 64), mesh, rules) == P(None, None, "fsdp")
+    assert spec_for(LogicalAxes(("norm",)), (64,), mesh, rules) == P(None)
+    # A mesh axis can shard one dimension of an array only.
+    fsdp_everywhere = ShardingRules(mlp="fsdp")
+    assert spec_for(LogicalAxes(("embed", "mlp")), (64, 128), mesh, fsdp_everywhere) == P("fsdp", None)
+    with pytest.raises(ValueError, match="no entry for logical axis"):
+        spec_for(LogicalAxes(("experts",)), (8,), mesh, rules)
+
+
+def test_pure_fsdp_and_tensor_parallel_layouts():
+    state = abstract_train_state(TINY, OptimConfig())
+    fsdp = train_state_shardings(state, make_mesh(MeshConfig()), ShardingRules())
+    assert fsdp.model.blocks.mlp.up_proj.spec == P(None, "fsdp", None)
+    assert fsdp.model.embed.spec == P(None, "fsdp")
+    assert fsdp.model.final_norm.weight.spec == P(None)
+    tp = model_shardings(state.model, make_mesh(MeshConfig(fsdp=4, tensor=2)), ShardingRules())
+    assert tp.blocks.attention.q_proj.spec == P(None, "fsdp", "tensor")
+    assert tp.blocks.attention.o_proj.spec == P(None, "tensor", "fsdp")
+    assert tp.lm_head.spec == P("fsdp", "tensor")
+
+
+def test_optimizer_moments_follow_their_parameters():
+    state = abstract_train_state(TINY, OptimConfig())
+    shardings = train_state_shardings(state, make_mesh(MeshConfig(fsdp=4, tensor=2)), ShardingRules())
+    adam = shardings.opt_state[1]  # (clip, adam, decay)
+    assert adam.mu == shardings.model and adam.nu == shardings.model
+    assert adam.count.spec == P() and shardings.step.spec == P() and shardings.loss_history.spec == P()
+    assert jax.tree.structure(shardings) == jax.tree.structure(state)
+
+
+def test_batch_sharding():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=-1))
+    assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)
+
+
+def test_no_distributed_without_launcher_env(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OLMO_EQX_DISTRIBUTED"):
+        monkeypatch.delenv(name, raising=False)
+    assert maybe_initialize_distributed() is False
+
+
+TWO_PROCESS_SCRIPT = textwrap.dedent(
+    """
+    import jax
+    from olmo_eqx.sharding import MeshConfig, make_mesh, maybe_initialize_distributed
+    assert maybe_initialize_distributed() and maybe_initialize_distributed()  # second call is a no-op
+    mesh = make_mesh(MeshConfig())
+    print("OK", jax.process_index(), jax.process_count(), mesh.size, flush=True)
+    """
+)
+
+
+def test_two_processes_from_launcher_env():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(2):
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i),
+        }
+        procs.append(subprocess.Popen([sys.executable, "-c", TWO_PROCESS_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, err[-3000:]
+        assert f"OK {i} 2 4" in out  # 2 processes x 2 devices in one global mesh
