@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from olmo_eqx.data.instances import InstanceDataset, repeated_ngram_keep
+from olmo_eqx.data.loader import read_batch
 from olmo_eqx.data.mixes import read_mix, source_from_paths
 from olmo_eqx.data.token_files import DataFileError, TokenFile, token_dtype_for_vocab, write_token_file
 from test_data_support import VOCAB, make_token_files
@@ -149,6 +150,8 @@ def test_filter_zeroes_the_loss_mask_of_the_instance(tmp_path):
     ds = InstanceDataset([source_from_paths("x", path)], 64, VOCAB, filter_repeated_ngrams=True)
     _, mask = ds.read(np.array([0, 1]))
     assert mask[0].all() and not mask[1].any()
+    batch = read_batch(ds, np.array([1, 0]), step=0, epoch=0)  # what the loader hands the trainer
+    np.testing.assert_array_equal(batch.loss_mask[:, 5], [0.0, 1.0])
 
 
 def _brute_force_keep(row, max_period, max_count):

@@ -125,7 +125,8 @@ def test_heldout_sets_read_in_fixed_order_with_padding(tmp_path):
         rows = [np.concatenate([seen[p][j].instance_ids for p in range(process_count)]) for j in range(3)]
         np.testing.assert_array_equal(np.concatenate(rows), list(range(10)) + [-1, -1])
     last = list(heldout.batches(4))[-1]
-    assert last.loss_mask[:2].all() and not last.loss_mask[2:].any()
+    np.testing.assert_array_equal(last.loss_mask[:, 0], [1, 1, 0, 0])
+    assert last.loss_mask.dtype == np.float32
     np.testing.assert_array_equal(last.input_ids[:, 0], [8 * SEQ, 9 * SEQ, 0, 0])
 
 

@@ -110,7 +110,7 @@ def test_batches_are_deterministic_for_seed_and_step(dataset):
     c = DataLoader(dataset, BATCH, seed=4).batch_at(5)
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
     assert not np.array_equal(a.instance_ids, c.instance_ids)
-    assert a.input_ids.dtype == np.int32 and a.loss_mask.dtype == bool and a.loss_mask.all()
+    assert a.input_ids.dtype == np.int32 and a.loss_mask.dtype == np.float32 and (a.loss_mask == 1).all()
     assert a.step == 5 and a.epoch == 0 and (a.source_ids == 0).all()
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from jaxtyping import Bool, Int
+from jaxtyping import Float, Int
 
 from olmo_eqx.data.guard import RepeatGuard
 from olmo_eqx.data.instances import InstanceDataset
@@ -28,13 +28,14 @@ from olmo_eqx.data.sampler import LoaderState, StepSampler, process_slice_bounds
 class Batch:
     """One process's rows of one global batch.
 
-    `loss_mask` is False where the loss must ignore a token (filtered instances, padding of
-    a final held-out batch); `instance_ids` are -1 on padding rows; `source_ids` index the
+    `loss_mask` is float32, 1.0 where a token counts as a target and 0.0 where the loss must
+    ignore it (filtered instances, padding of a final held-out batch): the train step's
+    convention, so it goes to the device as is; `instance_ids` are -1 on padding rows; `source_ids` index the
     dataset's `source_labels` (per-source metrics).
     """
 
     input_ids: Int[np.ndarray, "batch seq"]
-    loss_mask: Bool[np.ndarray, "batch seq"]
+    loss_mask: Float[np.ndarray, "batch seq"]
     instance_ids: Int[np.ndarray, " batch"]
     source_ids: Int[np.ndarray, " batch"]
     step: int
@@ -42,11 +43,11 @@ class Batch:
 
 
 def read_batch(dataset: InstanceDataset, instance_ids: Int[np.ndarray, " batch"], step: int, epoch: int) -> Batch:
-    """Fetch the given instances (ids < 0 are padding: zeros with a False loss mask)."""
+    """Fetch the given instances (ids < 0 are padding: zeros with a zero loss mask)."""
     ids = np.asarray(instance_ids, dtype=np.int64)
     real = ids >= 0
     input_ids = np.zeros((ids.size, dataset.sequence_length), dtype=np.int32)
-    loss_mask = np.zeros((ids.size, dataset.sequence_length), dtype=bool)
+    loss_mask = np.zeros((ids.size, dataset.sequence_length), dtype=np.float32)
     source_ids = np.full(ids.size, -1, dtype=np.int64)
     if real.any():
         input_ids[real], loss_mask[real] = dataset.read(ids[real])
