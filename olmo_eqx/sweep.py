@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 # Every stage's summary (a JSON object) lands here, in its run directory.
 SUMMARY_FILE = "summary.json"
@@ -56,7 +56,7 @@ def format_table(rows: list[dict]) -> str:
 class SweepSummary(Callback):
     """Print (and save as sweep_summary.json) the table of a finished sweep."""
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
         rows = collect(sweep_dir)
         if not rows:

@@ -21,7 +21,8 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -226,7 +227,7 @@ def train(config: Config, run_dir: Path) -> dict:
     eval_step = make_eval_step()
 
     tokens_per_step = data.global_batch_size * data.sequence_length
-    model_flops = flops_per_token(config.model, data.sequence_length)
+    model_flops = float(flops_per_token(config.model, data.sequence_length))
     peak = peak_flops_per_device()
     n_params = count_params(config.model)
     end_step = trainer.stop_at or trainer.steps

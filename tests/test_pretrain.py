@@ -1,0 +1,112 @@
+"""The pretrain stage end to end on the nano model: learning, artifacts, exact resume,
+interruption by SIGTERM, a refused mismatched checkpoint, and a two-job sweep."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import os
+
+import pytest
+
+from olmo_eqx.config import compose_config
+from olmo_eqx.stages import StageError
+from olmo_eqx.train.loop import train
+
+from clihelp import TINY, olmo_eqx
+
+
+def read_metrics(run_dir) -> dict[int, dict]:
+    """Train-step records by step (the last record of a step wins, as after a replay)."""
+    records = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            records[record["step"]] = record
+    return records
+
+
+def checkpoint_steps(run_dir) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One complete 12-step run (shared by the tests that compare against it)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    summary = train(compose_config(TINY), run_dir)
+    return run_dir, summary
+
+
+def test_pretrain_learns_and_writes_its_artifacts(uninterrupted):
+    run_dir, summary = uninterrupted
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == list(range(1, 13))
+    assert metrics[12]["loss"] < metrics[1]["loss"] - 0.5  # from ~ln(4096) = 8.3 downwards
+    heldout = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in line]
+    assert [r["step"] for r in heldout] == [6, 12]
+    assert heldout[1]["heldout_loss"] < heldout[0]["heldout_loss"]
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["stage_completed"] and on_disk["end_step"] == 12
+    assert on_disk["final_heldout_loss"] == heldout[1]["heldout_loss"]
+    assert on_disk["tokens_per_s"] > 0 and on_disk["mfu"] > 0
+    assert checkpoint_steps(run_dir) == [6, 12]
+    assert json.loads((run_dir / "config.json").read_text())["model"]["name"] == "olmo3_nano"
+
+
+def test_stop_and_resume_is_bitwise_identical(uninterrupted, tmp_path):
+    reference = read_metrics(uninterrupted[0])
+    first = train(compose_config(TINY + ["trainer.stop_at=5"]), tmp_path)
+    assert not first["stage_completed"] and checkpoint_steps(tmp_path) == [5]
+    second = train(compose_config(TINY), tmp_path)
+    assert second["start_step"] == 5 and second["stage_completed"]
+    resumed = read_metrics(tmp_path)
+    for step in range(1, 13):
+        for key in ("loss", "grad_norm", "lr"):
+            assert resumed[step][key] == reference[step][key], (step, key)
+
+
+def test_mismatched_checkpoint_is_refused_clearly(uninterrupted):
+    run_dir, _ = uninterrupted
+    with pytest.raises(StageError, match="different model.*d_model"):
+        train(compose_config(TINY + ["model.d_model=96"]), run_dir)
+
+
+def test_sigterm_saves_and_the_next_run_resumes(tmp_path):
+    args = TINY + ["trainer.steps=100000", "trainer.log_every=1", "checkpoint.every=0", f"hydra.run.dir={tmp_path}"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "olmo_eqx", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert process.poll() is None, process.stdout.read()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stopped = summary["end_step"]
+    assert summary["interrupted"] == "SIGTERM" and 3 <= stopped < 100000
+    assert checkpoint_steps(tmp_path) == [stopped]
+
+    result = olmo_eqx(*args, f"trainer.stop_at={stopped + 2}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["start_step"] == stopped and summary["end_step"] == stopped + 2
+    assert f"Resuming from {tmp_path / 'checkpoints' / str(stopped)}" in result.stdout
+
+
+def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path):
+    args = [a for a in TINY if not a.startswith("trainer.steps")] + ["trainer.steps=4", "trainer.eval_every=4"]
+    result = olmo_eqx("-m", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for job in ("0", "1"):
+        summary = json.loads((tmp_path / job / "summary.json").read_text())
+        assert summary["stage_completed"] and summary["final_heldout_loss"] is not None
+    table = result.stdout[result.stdout.index("Sweep summary"):]
+    assert "optim.lr=0.001" in table and "optim.lr=0.003" in table
+    assert "held-out loss" in table
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "ok"]
