@@ -123,7 +123,7 @@ def audit_stream(
     n, spe, batch = reference.num_instances, reference.steps_per_epoch, reference.global_batch_size
     report = AuditReport(process_count=process_count, steps=steps)
     iterators = [streams(p, process_count) for p in range(process_count)]
-    first_step = np.full(n, -1, dtype=np.int64)
+    first_step = np.full(n, -1, dtype=np.int32)
     for step in range(steps):
         epoch = step // spe
         if step % spe == 0:
