@@ -173,3 +173,18 @@ def test_repeated_ngram_filter_matches_brute_force():
     want = [_brute_force_keep(row, max_period=4, max_count=4) for row in batch]
     assert 20 < sum(want) < 180  # both outcomes occur
     np.testing.assert_array_equal(repeated_ngram_keep(batch, max_period=4, max_count=4), want)
+
+
+def test_only_a_bounded_number_of_files_stay_open(tmp_path, monkeypatch):
+    import os
+
+    from olmo_eqx.data import instances
+
+    monkeypatch.setattr(instances, "MAX_OPEN_FILES", 4)
+    make_token_files(tmp_path, [2 * 8] * 20)
+    ds = InstanceDataset([source_from_paths("many", tmp_path / "*.npy")], 8, VOCAB)
+    before = len(os.listdir("/proc/self/fd"))
+    tokens, _ = ds.read(np.arange(len(ds)))
+    np.testing.assert_array_equal(tokens[:, 0], np.arange(0, 40 * 8, 8))
+    assert sum(f._array is not None for f in ds.files) == 4
+    assert len(os.listdir("/proc/self/fd")) - before <= 4

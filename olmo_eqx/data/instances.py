@@ -8,6 +8,8 @@ permutation (subsample: a fixed random subset; repeat: every instance floor/ceil
 """
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +23,9 @@ from olmo_eqx.data.token_files import DataFileError, TokenFile
 NGRAM_MAX_PERIOD = 13
 NGRAM_MIN_PERIOD = 1
 NGRAM_MAX_COUNT = 32
+# Every memory map holds a file descriptor and a mix can list thousands of files: keep only
+# the most recently read ones open.
+MAX_OPEN_FILES = 128
 
 
 def repeated_ngram_keep(
@@ -93,6 +98,8 @@ class InstanceDataset:
         self.mix_seed = int(mix_seed)
 
         self.files: list[TokenFile] = []
+        self._open_files: OrderedDict[int, None] = OrderedDict()
+        self._open_lock = threading.Lock()
         self._file_starts: list[np.ndarray] = []  # per source: cumulative instance counts, first 0
         self._file_offsets: list[int] = []  # per source: index of its first file in self.files
         natural = []
@@ -181,6 +188,15 @@ class InstanceDataset:
             offset[rows] = (local - starts[f]) * self.sequence_length
         return file_index, offset
 
+    def _tokens(self, file_index: int) -> np.ndarray:
+        with self._open_lock:
+            self._open_files[file_index] = None
+            self._open_files.move_to_end(file_index)
+            while len(self._open_files) > MAX_OPEN_FILES:
+                oldest, _ = self._open_files.popitem(last=False)
+                self.files[oldest].close()
+            return self.files[file_index].tokens
+
     def read(
         self, instance_ids: Integer[np.ndarray, " n"]
     ) -> tuple[Int[np.ndarray, "n seq"], Bool[np.ndarray, "n seq"]]:
@@ -188,7 +204,7 @@ class InstanceDataset:
         file_index, offset = self.locate(instance_ids)
         out = np.empty((len(file_index), self.sequence_length), dtype=np.int32)
         for row, (f, start) in enumerate(zip(file_index.tolist(), offset.tolist())):
-            out[row] = self.files[f].tokens[start : start + self.sequence_length]
+            out[row] = self._tokens(f)[start : start + self.sequence_length]
         mask = np.ones(out.shape, dtype=bool)
         if self.filter_repeated_ngrams and len(out):
             mask &= repeated_ngram_keep(out)[:, None]

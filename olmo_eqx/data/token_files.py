@@ -62,6 +62,10 @@ class TokenFile:
                 self._array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
         return self._array
 
+    def close(self) -> None:
+        """Drop the memory map (and its file descriptor); the next access re-opens it."""
+        self._array = None
+
     def __getstate__(self) -> dict:
         # Memory maps do not pickle; worker processes re-open the file lazily.
         state = self.__dict__.copy()
