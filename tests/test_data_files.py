@@ -1,5 +1,7 @@
 """Token files, mixes and instances: formats, chunking, resampling and the clear errors."""
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,12 @@ def test_olmo_core_manifest_resolves_tokenizer_and_root(tmp_path):
     ds = InstanceDataset(sources, 32, 100278)
     assert ds.sizes == (4, 2) and ds.source_labels == ("web", "code")
     np.testing.assert_array_equal(ds.source_index(np.arange(6)), [0, 0, 0, 0, 1, 1])
+    # the same files under another mount point are the same dataset (a resume is allowed)
+    shutil.copytree(tmp_path / "web", tmp_path / "mnt" / "web")
+    shutil.copytree(tmp_path / "code", tmp_path / "mnt" / "code")
+    moved = InstanceDataset(read_mix(manifest, tmp_path / "mnt", tok), 32, 100278)
+    assert moved.fingerprint() == ds.fingerprint()
+    assert InstanceDataset(sources[:1], 32, 100278).fingerprint() != ds.fingerprint()
     with pytest.raises(DataFileError, match=r"bad\.txt:2: expected"):
         bad = tmp_path / "bad.txt"
         bad.write_text("# x\njust-a-path.npy\n")

@@ -157,7 +157,8 @@ class InstanceDataset:
         the same files mounted elsewhere.
         """
         h = hashlib.sha256()
-        h.update(f"seq={self.sequence_length};mix_seed={self.mix_seed};filter={self.filter_repeated_ngrams}".encode())
+        # Not the n-gram filter: it changes loss masks, not which instance an id names.
+        h.update(f"seq={self.sequence_length};mix_seed={self.mix_seed}".encode())
         for source, size, offset in zip(self.sources, self.sizes, self._file_offsets):
             h.update(f"|{source.label}:{size}".encode())
             for f in self.files[offset : offset + len(source.paths)]:
