@@ -160,8 +160,11 @@ class Checkpointer:
         """Start saving `state` with its data position and run config as checkpoint `step`.
 
         loader_state: a `LoaderState` (anything with `to_dict()`), dataclass or dict.
-        config: the resolved run config as a dict (or dataclass). Returns whether a save began.
+        config: the resolved run config as a dict (or dataclass). Returns whether a save began
+        (False when a complete checkpoint of this step already exists, e.g. right after a resume).
         """
+        if int(step) in self.all_steps():
+            return False
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(state.model),
             train=ocp.args.StandardSave(_train_part(state)),

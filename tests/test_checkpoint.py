@@ -168,6 +168,7 @@ def test_retention_keeps_last_and_every(tmp_path, monkeypatch, mesh8):
         checkpointer.save(step, state)
     checkpointer.wait_until_finished()
     assert checkpointer.all_steps() == [4, 8, 9]
+    assert checkpointer.save(9, state) is False  # an existing complete step is left alone
     checkpointer.close()
 
 

@@ -146,3 +146,14 @@ def test_eval_step_sums(mesh8, run8):
     sums = make_eval_step()(state.model, batch)
     assert float(sums.count) == BATCH * (SEQ - 1) - 3 * 4
     assert 0 < float(sums.ce) / float(sums.count) < np.log(TINY.vocab_size)
+
+
+def test_bf16_params_keep_float32_moments():
+    mesh1 = make_mesh(MeshConfig(), jax.devices()[:1])
+    config = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    state = init_train_state(config, OPTIM, SCHEDULE, mesh1, ShardingRules(), jax.random.key(0))
+    state, metrics = make_train_step(OPTIM, SCHEDULE, mesh=mesh1)(state, make_batch(mesh1))
+    assert np.isfinite(float(metrics["loss"]))
+    assert {p.dtype for p in jax.tree.leaves(state.model)} == {jnp.dtype(jnp.bfloat16)}
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
