@@ -146,3 +146,14 @@ def test_prefetcher_hands_out_the_same_batches_and_tracks_position(dataset):
             np.testing.assert_array_equal(got.input_ids, want.input_ids)
             # read-ahead must not leak into the checkpointed position
             assert prefetcher.state.step == step + 1
+
+
+def test_prefetcher_reraises_a_read_error_in_the_trainer_thread(tmp_path):
+    make_token_files(tmp_path, [40 * SEQ])
+    dataset = InstanceDataset([source_from_paths("gone", tmp_path / "*.npy")], SEQ, VOCAB)
+    for path in tmp_path.glob("*.npy"):
+        path.unlink()  # vanishes after the dataset was opened (files are mapped lazily)
+    with Prefetcher(DataLoader(dataset, BATCH, seed=0)) as prefetcher:
+        with pytest.raises(FileNotFoundError):
+            next(prefetcher)
+        assert prefetcher.state.step == 0
