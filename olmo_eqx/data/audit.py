@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 sources = [source_from_paths("train", args.files)]
             vocab_size, eos_id = args.vocab_size, args.eos_id
-            heldout_paths = [p for s in ([source_from_paths("heldout", args.heldout)] if args.heldout else []) for p in s.paths]
+            heldout_paths = list(source_from_paths("heldout", args.heldout).paths) if args.heldout else []
         else:
             from olmo_eqx.data.embedded import embedded_corpus
 
@@ -94,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if heldout_paths:
             if eos_id is None:
                 parser.error("--eos-id is required with --heldout")
-            train_files = [f for f in dataset.files]
-            overlap = heldout_overlap(train_files, [TokenFile(p, vocab_size) for p in heldout_paths], eos_id)
+            overlap = heldout_overlap(dataset.files, [TokenFile(p, vocab_size) for p in heldout_paths], eos_id)
     except DataFileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
