@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Shaped
 
 from olmo_eqx.data.guard import RepeatGuard
 from olmo_eqx.data.instances import InstanceDataset
@@ -186,7 +187,7 @@ class Prefetcher:
         self.close()
 
 
-def to_global_array(local: np.ndarray, sharding: Any) -> Any:
+def to_global_array(local: Shaped[np.ndarray, "rows *rest"], sharding: jax.sharding.Sharding) -> jax.Array:
     """One global `jax.Array` from every process's rows (`jax.make_array_from_process_local_data`).
 
     `sharding` (e.g. `NamedSharding(mesh, P("data"))`) must give this process exactly rows
@@ -194,8 +195,6 @@ def to_global_array(local: np.ndarray, sharding: Any) -> Any:
     data axis is not ordered by process would silently pair rows with the wrong process,
     so that is checked and refused.
     """
-    import jax
-
     process_count = jax.process_count()
     global_shape = (local.shape[0] * process_count, *local.shape[1:])
     lo, hi = process_slice_bounds(global_shape[0], jax.process_index(), process_count)
@@ -211,7 +210,7 @@ def to_global_array(local: np.ndarray, sharding: Any) -> Any:
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
-def global_batch_arrays(batch: Batch, sharding: Any) -> dict[str, Any]:
+def global_batch_arrays(batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
     """`input_ids` and `loss_mask` of a process-local batch as global arrays on `sharding`."""
     return {
         "input_ids": to_global_array(batch.input_ids, sharding),

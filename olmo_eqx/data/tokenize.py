@@ -28,6 +28,7 @@ import numpy as np
 from olmo_eqx.data.token_files import DataFileError, token_dtype_for_vocab
 
 _DOCS_PER_BATCH = 512
+_PROGRESS_EVERY_DOCS = 100_000  # a progress line within large files
 _SUFFIXES = (".jsonl", ".json", ".txt")
 _COMPRESSED = (".gz", ".zst")
 
@@ -137,6 +138,8 @@ def tokenize_file(job: FileJob) -> FileResult:
             if len(batch) == _DOCS_PER_BATCH:
                 tokens += flush(batch, out)
                 batch = []
+            if documents % _PROGRESS_EVERY_DOCS == 0:
+                print(f"  {job.source.name}: {documents} docs so far", file=sys.stderr, flush=True)
         if batch:
             tokens += flush(batch, out)
     os.replace(tmp, job.output)
