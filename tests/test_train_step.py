@@ -103,6 +103,16 @@ def test_eight_devices_equal_one(run8):
             np.testing.assert_allclose(metrics[name], history[i][name], rtol=rtol, err_msg=f"{name} at step {i}")
 
 
+def test_tensor_parallel_equals_fsdp(run8):
+    history, _ = run8
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    state, batch = fresh_state(mesh), make_batch(mesh)
+    assert state.model.blocks.mlp.up_proj.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    state, metrics = make_train_step(OPTIM, SCHEDULE, mesh=mesh)(state, batch)
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[name], history[0][name], rtol=2e-6, err_msg=name)
+
+
 def planted(state, mean, std, count, *, grad_norm_mean=1.0):
     """The state with a skip-step window of `count` values around mean (+- std)."""
     noise = np.random.default_rng(0).standard_normal(state.loss_history.shape).astype(np.float32)
