@@ -40,13 +40,18 @@ def loss_sums(
     loss_mask: Float[Array, "batch seq"],
 ) -> LossSums:
     """Sums of cross-entropy and logsumexp^2 over target tokens, in float32."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    labels = input_ids[:, 1:]
-    weights = target_mask(loss_mask)
+    # Shift the labels rather than slice the logits: the logits are the biggest activation
+    # of the step ([B, L, vocab]) and must not be copied; the last position gets weight 0.
+    labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
+    weights = jnp.pad(target_mask(loss_mask), ((0, 0), (0, 1)))
+    logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    ce = lse - label_logit
-    return LossSums(ce=jnp.sum(ce * weights), z=jnp.sum(lse * lse * weights), count=jnp.sum(weights))
+    # where, not a product: an ignored position's inf/nan must not leak into the sums.
+    counted = weights > 0
+    ce = jnp.where(counted, (lse - label_logit) * weights, 0.0)
+    z = jnp.where(counted, lse * lse * weights, 0.0)
+    return LossSums(ce=jnp.sum(ce), z=jnp.sum(z), count=jnp.sum(weights))
 
 
 def objective(sums: LossSums, z_loss_weight: float, normaliser: Float[Array, ""]) -> Float[Array, ""]:
