@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from olmo_eqx.config import CONF_DIR, ConfigError, register_configs, to_config
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points, stage_settings
-from olmo_eqx.sweep import SUMMARY_FILE
+from olmo_eqx.sweep import ERROR_FILE, SUMMARY_FILE
 
 
 def list_stages() -> None:
@@ -50,7 +50,7 @@ def run_job_in_subprocess(hydra_config, run_dir: Path) -> Optional[dict]:
     print(f"[sweep] job {hydra_config.job.num}: {' '.join(hydra_config.overrides.task)} -> {run_dir}", flush=True)
     result = subprocess.run(command, env=os.environ.copy())
     if result.returncode != 0:
-        raise RuntimeError(f"sweep job {hydra_config.job.num} exited with status {result.returncode}; see {run_dir}")
+        raise StageError(f"sweep job {hydra_config.job.num} exited with status {result.returncode}; see {run_dir}")
     summary = run_dir / SUMMARY_FILE
     return json.loads(summary.read_text()) if summary.exists() else None
 
@@ -63,19 +63,22 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         list_stages()
         return None
     run_dir = Path(hydra_config.runtime.output_dir).resolve()
+    multirun = hydra_config.mode == RunMode.MULTIRUN
     try:
         config = to_config(cfg)
         stage = load_stage(name)
         config = dataclasses.replace(config, stage=stage_settings(stage, name, config.stage))
-    except (ConfigError, StageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if hydra_config.mode == RunMode.MULTIRUN:
-        return run_job_in_subprocess(hydra_config, run_dir)
-    try:
+        if multirun:
+            return run_job_in_subprocess(hydra_config, run_dir)
         return stage.run(config, run_dir)
-    except StageError as e:  # the stage rejected its input: a message, not a traceback
+    except (ConfigError, StageError) as e:
+        # Bad input: one line naming it, not a traceback. In a sweep, fail only this job: the
+        # other jobs still run and the summary table marks this one (its error file).
         print(f"error: {e}", file=sys.stderr)
+        if multirun:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ERROR_FILE).write_text(f"{e}\n")
+            return None
         sys.exit(2)
 
 

@@ -90,7 +90,7 @@ class TrainerConfig:
     """The loop around the train step: how long, how often to log and evaluate."""
 
     # Optimiser steps of the whole run (the schedule's horizon).
-    steps: int = 300
+    steps: int = 200
     # Print a metrics line (and append to metrics.jsonl) every this many steps.
     log_every: int = 10
     # Held-out loss every this many steps (and at the last step); 0 disables it.
@@ -130,8 +130,9 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    # Free-form here; the stage's `config_class` (if it has one) checks it, see olmo_eqx.stages.
-    stage: dict[str, Any] = field(default_factory=dict)
+    # The running stage's settings: composed as a mapping, then checked against (and turned
+    # into) the stage's `config_class` by olmo_eqx.stages.stage_settings.
+    stage: Any = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ works whatever launched the jobs.
 """
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,6 +15,8 @@ from omegaconf import OmegaConf
 
 # Every stage's summary (a JSON object) lands here, in its run directory.
 SUMMARY_FILE = "summary.json"
+# A sweep job that failed leaves its one-line error here instead.
+ERROR_FILE = "error.txt"
 
 
 def _loss(value: Any) -> str:
@@ -28,12 +31,15 @@ def collect(sweep_dir: Path) -> list[dict]:
         overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
         summary_path = job_dir / SUMMARY_FILE
         summary: Optional[dict] = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        error_path = job_dir / ERROR_FILE
+        error = error_path.read_text().strip() if error_path.exists() else None
         rows.append(
             {
                 "job": job_dir.name,
                 "dir": str(job_dir),
                 "overrides": " ".join(o for o in overrides if not str(o).startswith("+stage=")),
-                "status": "ok" if summary is not None else "failed",
+                "status": "ok" if summary is not None and error is None else "failed",
+                "error": error,
                 "train_loss": None if summary is None else summary.get("final_train_loss"),
                 "heldout_loss": None if summary is None else summary.get("final_heldout_loss"),
             }
@@ -63,3 +69,9 @@ class SweepSummary(Callback):
             return
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(f"\nSweep summary ({sweep_dir}):\n{format_table(rows)}", flush=True)
+        failed = [r for r in rows if r["status"] != "ok"]
+        if failed:
+            for row in failed:
+                print(f"job {row['job']} failed: {row['error'] or 'see ' + row['dir']}", file=sys.stderr)
+            # After the table, so every job's result is shown before the sweep reports failure.
+            sys.exit(1)

@@ -18,6 +18,12 @@ class Pretrain:
     config_class = None  # no settings of its own: it reads the top-level groups
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
+        from olmo_eqx.stages import StageError
         from olmo_eqx.train.loop import train  # jax is imported only when a stage runs
 
+        if config.checkpoint.load:
+            raise StageError(
+                "pretrain starts from scratch or resumes its own checkpoints (checkpoint.dir); "
+                "checkpoint.load is for later stages (anneal, eval): drop it or run one of those"
+            )
         return train(config, run_dir)

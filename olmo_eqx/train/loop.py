@@ -190,7 +190,13 @@ def train(config: Config, run_dir: Path) -> dict:
     )
 
     # -- state: resume from the latest complete checkpoint, or initialise ------------------
-    latest = checkpointer.latest_step() if config.checkpoint.resume else None
+    latest = checkpointer.latest_step()
+    if latest is not None and not config.checkpoint.resume:
+        checkpointer.close()
+        raise StageError(
+            f"{checkpoint_dir} already holds checkpoints (latest step {latest}) and checkpoint.resume=false: "
+            "set checkpoint.resume=true to continue that run, or choose another checkpoint.dir / run dir"
+        )
     loader_state = None
     if latest is not None:
         target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
@@ -246,58 +252,63 @@ def train(config: Config, run_dir: Path) -> dict:
             checkpointer.save(step, state, loader_state=loader.state, config=config_dict)
             last_saved = step
 
-    # Throughput excludes the first step of this process (compilation).
-    window = {"time": None, "steps": 0}
+    # Throughput is measured between *boundaries*: steps whose metrics are fetched at once
+    # (the first step of this process, log steps, eval steps, the last step), so that every
+    # step counted in a window was dispatched after the window began, whether the backend
+    # runs steps asynchronously (accelerators) or inside the dispatch call (often on CPU).
+    # Between boundaries metrics are fetched one step late. The first step (compilation)
+    # and evaluations are excluded.
+    mark: dict[str, Any] = {"step": None, "time": 0.0}
     throughput = {"tokens": 0, "seconds": 0.0}
     recent_losses: list[float] = []
     last_heldout: Optional[float] = None
     pending: Optional[tuple[int, dict]] = None
 
-    def record(step: int, metrics: dict) -> None:
-        """Host side of step `step` (fetched one step late)."""
-        nonlocal last_heldout
+    def record(step: int, metrics: dict, boundary: bool) -> None:
+        """Host side of step `step`: fetch its metrics, log them, and at boundaries time the window."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         recent_losses.append(values["loss"])
         del recent_losses[: -trainer.log_every]
-        now = time.perf_counter()
         entry = {"step": step, **values}
-        if window["time"] is not None:
-            window["steps"] += 1
-        if step % trainer.log_every == 0 or step == end_step:
-            if window["time"] is not None and window["steps"]:
-                seconds = now - window["time"]
-                throughput["tokens"] += window["steps"] * tokens_per_step
+        if boundary:
+            now = time.perf_counter()
+            if mark["step"] is None:
+                speed = f"first step (with compilation) {now - loop_started:.1f}s"
+            else:
+                steps, seconds = step - mark["step"], now - mark["time"]
+                throughput["tokens"] += steps * tokens_per_step
                 throughput["seconds"] += seconds
-                tps = window["steps"] * tokens_per_step / seconds
+                tps = steps * tokens_per_step / seconds
                 utilisation = mfu(model_flops, tps, jax.device_count(), peak)
                 entry.update(tokens_per_s=tps, mfu=utilisation)
-                speed = f"{tps:,.0f} tok/s | MFU {100 * utilisation:.1f}%" if utilisation else f"{tps:,.0f} tok/s"
-            else:
-                speed = "compiling"
-            log.print(
-                f"step {step:>6}/{trainer.steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} "
-                f"| grad norm {values['grad_norm']:.3f} | {speed}" + (" | SKIPPED" if values["skipped"] else "")
-            )
-            window.update(time=now, steps=0)
-        if window["time"] is None:
-            window.update(time=now, steps=0)
+                speed = f"{tps:,.0f} tok/s" + (f" | MFU {100 * utilisation:.1f}%" if utilisation else "")
+            if mark["step"] is None or step % trainer.log_every == 0 or step == end_step:
+                log.print(
+                    f"step {step:>6}/{trainer.steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} "
+                    f"| grad norm {values['grad_norm']:.3f} | {speed}" + (" | SKIPPED" if values["skipped"] else "")
+                )
+            mark.update(step=step, time=now)
         log.write(entry)
 
     interrupted = None
+    loop_started = time.perf_counter()
     try:
         with stop_on_signals() as stop, Prefetcher(loader, depth=2, transform=lambda b: global_batch_arrays(b, sharding)) as batches:
             for step in range(start_step + 1, end_step + 1):
                 state, metrics = train_step(state, next(batches))
                 if pending is not None:
-                    record(*pending)
-                pending = (step, metrics)
-                if eval_batches and (step % trainer.eval_every == 0 or step == end_step):
-                    record(*pending)
-                    pending = None
+                    record(*pending, boundary=False)
+                pending = None
+                evaluate_now = bool(eval_batches) and (step % trainer.eval_every == 0 or step == end_step)
+                if step == start_step + 1 or step % trainer.log_every == 0 or evaluate_now or step == end_step:
+                    record(step, metrics, boundary=True)
+                else:
+                    pending = (step, metrics)
+                if evaluate_now:
                     last_heldout, tokens = evaluate(eval_step, state.model, eval_batches)
                     log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens})
                     log.print(f"step {step:>6}/{trainer.steps} | held-out loss {last_heldout:.4f} ({heldout.name}, {tokens:,.0f} tokens)")
-                    window["time"] = None  # evaluation time is not training throughput
+                    mark["time"] = time.perf_counter()  # evaluation is not training throughput
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     save(step)
                 should_check = jax.process_count() == 1 or step % trainer.log_every == 0
@@ -306,7 +317,7 @@ def train(config: Config, run_dir: Path) -> dict:
                     end_step = step
                     break
             if pending is not None:
-                record(*pending)
+                record(*pending, boundary=False)
         save(end_step)
         checkpointer.wait_until_finished()
     finally:
