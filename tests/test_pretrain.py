@@ -3,9 +3,11 @@ interruption by SIGTERM, a refused mismatched checkpoint, and a two-job sweep.""
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
+
 import os
 
 import pytest
@@ -110,3 +112,31 @@ def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path):
     assert "held-out loss" in table
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "ok"]
+
+
+def test_two_processes_train_like_one(uninterrupted, tmp_path):
+    """jax.distributed on CPU (2 processes x 2 devices): each process reads its own rows once,
+    so the losses match the single-process run; only process 0 writes the run files."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=4", f"hydra.run.dir={tmp_path}"]
+    processes = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(rank),
+        }
+        processes.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "4 cpu device(s)" in outputs[0] and "parameters" not in outputs[1]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if '"loss"' in line] == [1, 2, 3, 4]  # written once
+    reference, distributed = read_metrics(uninterrupted[0]), read_metrics(tmp_path)
+    for step in range(1, 5):  # 8 devices vs 2 x 2: equal up to float32 reduction order
+        assert distributed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-5)
+    assert checkpoint_steps(tmp_path) == [4]

@@ -24,6 +24,10 @@ class HelloSettings:
     greeting: str = "hello"
     repeat: int = 1
 
+    def __post_init__(self):
+        if self.repeat < 1:
+            raise ValueError(f"repeat={self.repeat} must be >= 1")
+
 
 class Hello:
     """Say hello into the run directory (a third-party test stage)."""
@@ -92,3 +96,13 @@ def test_registry_in_process():
         stage_settings(stage, "pretrain", {"lr": 1})
     with pytest.raises(StageError, match="no stage named 'nope'.*pretrain"):
         load_stage("nope")
+
+
+def test_sweep_isolates_jobs_and_reports_a_failed_one(third_party, tmp_path):
+    result = olmo_eqx("-m", "+stage=hello", "stage.repeat=0,2", f"hydra.sweep.dir={tmp_path}", env=third_party)
+    assert result.returncode == 1  # the sweep reports its failure, after running every job
+    assert "stage: repeat=0 must be >= 1" in result.stderr
+    assert json.loads((tmp_path / "1" / "summary.json").read_text())["said"] == "hello hello"
+    table = result.stdout[result.stdout.index("Sweep summary"):]
+    assert "stage.repeat=0" in table and "failed" in table
+    assert "stage.repeat=2" in table and "ok" in table
