@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from .models.config import ModelConfig, YarnConfig
 from .train.state import TrainState
@@ -111,8 +112,10 @@ class Checkpointer:
         keep_every: Optional[int] = None,
         async_save: bool = True,
     ):
-        # Orbax refuses relative paths; resolve against the current directory.
-        self.directory = Path(directory).expanduser().resolve()
+        # Orbax refuses relative paths: resolve local ones against the current directory;
+        # URLs (gs://...) are already absolute and go through etils' epath like Orbax itself.
+        text = os.fspath(directory)
+        self.directory = epath.Path(text if "://" in text else Path(text).expanduser().resolve())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every,
@@ -258,6 +261,6 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         model = checkpointer.restore_model(step, target=target)
     finally:
         checkpointer.close()
-    out = Path(out_dir).expanduser().resolve()
+    out = Path(out_dir).expanduser().resolve()  # save_hf writes local files
     save_hf(model, out, dtype=dtype)
     return out
