@@ -15,6 +15,7 @@ selects that entry and `model.n_layers=8` edits one field of it.
 """
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,8 +32,21 @@ from olmo_eqx.sharding import MeshConfig
 from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.schedules import ScheduleConfig
 
-# Where `python -m olmo_eqx` finds its YAML (an editable install runs from the source tree).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _conf_dir() -> Path:
+    """`conf/`: installed as the data-only package `olmo_eqx_conf` (see pyproject.toml), which
+    an editable install maps to the source tree's `conf/`; else next to the source package."""
+    spec = importlib.util.find_spec("olmo_eqx_conf")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if (Path(location) / "config.yaml").is_file():
+                return Path(location).resolve()
+    return Path(__file__).resolve().parent.parent / "conf"
+
+
+# Where `python -m olmo_eqx` finds its YAML.
+CONF_DIR = _conf_dir()
 
 
 class ConfigError(ValueError):
