@@ -4,6 +4,7 @@ SIGKILL during a save, mismatched model refused, retention, HF export."""
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -82,14 +83,24 @@ def test_resume_is_bitwise(reference, mesh8):
     checkpointer.close()
 
 
+@pytest.fixture(scope="module")
+def one_device():
+    """A 1-device mesh and its compiled train step, shared by the tests that restore onto it."""
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    return mesh, make_train_step(OPTIM, SCHEDULE, mesh=mesh)
+
+
 @pytest.mark.parametrize("n_devices", [4, 1])
-def test_restore_on_fewer_devices(reference, n_devices):
-    mesh = make_mesh(MeshConfig(), jax.devices()[:n_devices])
+def test_restore_on_fewer_devices(reference, n_devices, one_device):
+    if n_devices == 1:
+        mesh, step = one_device
+    else:
+        mesh = make_mesh(MeshConfig(), jax.devices()[:n_devices])
+        step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
     checkpointer = Checkpointer(reference["dir"])
     restored = checkpointer.restore(target=sharded_abstract_train_state(TINY, OPTIM, mesh))
     checkpointer.close()
     assert restored.state.model.lm_head.sharding.mesh.size == n_devices
-    step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
     _, metrics = step(restored.state, batch_for(K, mesh))
     np.testing.assert_allclose(np.asarray(metrics["loss"]), reference["losses"][K], rtol=2e-6)
 
@@ -184,3 +195,73 @@ def test_export_hf(reference, tmp_path):
     checkpointer.close()
     np.testing.assert_array_equal(np.asarray(model.embed), np.asarray(saved.embed))
     np.testing.assert_array_equal(np.asarray(model.blocks.mlp.down_proj), np.asarray(saved.blocks.mlp.down_proj))
+
+
+TWO_PROCESS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
+    maybe_initialize_distributed()
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from test_checkpoint import LOADER, OPTIM, SCHEDULE, TINY, batch_for
+    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.train.state import init_train_state
+    from olmo_eqx.train.step import make_train_step
+
+    mesh = make_mesh(MeshConfig())  # 2 processes x 2 devices
+    single = make_mesh(MeshConfig(), jax.local_devices()[:1])
+
+    def global_batch(step):
+        host = {k: np.asarray(v) for k, v in batch_for(step, single).items()}
+        sharding = batch_sharding(mesh)
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in host.items()}
+
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh, ShardingRules(), jax.random.key(0))
+    step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
+    for k in range(2):
+        state, _ = step(state, global_batch(k))
+    checkpointer = Checkpointer(sys.argv[1])
+    checkpointer.save(2, state, loader_state=LOADER)
+    checkpointer.close()
+    state, metrics = step(state, global_batch(2))
+    print("LOSS", repr(float(metrics["loss"])), flush=True)
+    """
+)
+
+
+def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
+    """Multi-controller run (2 processes x 2 CPU devices, gloo) -> checkpoint -> 1 device."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    directory = tmp_path / "ckpt"
+    procs = []
+    for i in range(2):
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i),
+        }
+        command = [sys.executable, "-c", TWO_PROCESS_SCRIPT, str(directory), str(Path(__file__).parent)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    losses = []
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+        losses.append(float(next(line for line in out.splitlines() if line.startswith("LOSS")).split()[1]))
+    assert losses[0] == losses[1]
+
+    mesh, step = one_device
+    checkpointer = Checkpointer(directory)
+    restored = checkpointer.restore(target=sharded_abstract_train_state(TINY, OPTIM, mesh))
+    checkpointer.close()
+    assert restored.step == 2 and LoaderState.from_dict(restored.loader_state) == LOADER
+    _, metrics = step(restored.state, batch_for(2, mesh))
+    np.testing.assert_allclose(float(metrics["loss"]), losses[0], rtol=2e-6)
