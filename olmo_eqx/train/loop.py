@@ -14,18 +14,18 @@ run directory's files (metrics.jsonl, config.json, summary.json). Orbax coordina
 checkpoint writes itself.
 """
 
-import dataclasses
 import json
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer
 from olmo_eqx.config import Config, DataConfig, config_to_dict
@@ -43,7 +43,7 @@ from olmo_eqx.stages import StageError
 from olmo_eqx.sweep import SUMMARY_FILE
 from olmo_eqx.train.mfu import mfu, peak_flops_per_device
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
+from olmo_eqx.train.state import TrainState, init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_eval_step, make_train_step
 
 METRICS_FILE = "metrics.jsonl"
@@ -160,12 +160,85 @@ def evaluate(eval_step, model, batches: list[dict]) -> tuple[float, float]:
     return ce / max(count, 1.0), count
 
 
+class Throughput:
+    """Tokens/s over windows between *boundaries*: steps whose metrics are fetched at once.
+
+    Every step counted in a window was dispatched after the window began, so the rate is
+    right whether the backend runs steps asynchronously (accelerators) or inside the
+    dispatch call (often on CPU). The first boundary only opens a window (it includes
+    compilation); `pause` restarts the clock (evaluation is not training throughput).
+    """
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.step: Optional[int] = None
+        self.time = 0.0
+        self.tokens, self.seconds = 0, 0.0
+
+    def boundary(self, step: int) -> Optional[float]:
+        """Close the window at `step` (its metrics just fetched); its tokens/s, or None for the first."""
+        now, rate = time.perf_counter(), None
+        if self.step is not None and step > self.step:
+            tokens, seconds = (step - self.step) * self.tokens_per_step, now - self.time
+            self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+            rate = tokens / seconds
+        self.step, self.time = step, now
+        return rate
+
+    def pause(self) -> None:
+        self.time = time.perf_counter()
+
+    @property
+    def mean(self) -> Optional[float]:
+        return self.tokens / self.seconds if self.seconds else None
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop
 
+# Builds a fresh state when there is no checkpoint to resume: (config, mesh, rules) -> TrainState.
+InitState = Callable[[Config, Mesh, ShardingRules], TrainState]
 
-def train(config: Config, run_dir: Path) -> dict:
-    """Train (or resume) per `config`, writing into `run_dir`; returns the summary."""
+
+def random_init(config: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
+    """Stage 1's start: weights from `trainer.seed`, a fresh optimiser."""
+    schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
+    return init_train_state(config.model, config.optim, schedule, mesh, rules, jax.random.key(config.trainer.seed))
+
+
+def _checkpoint_dir(config: Config, run_dir: Path) -> str:
+    directory = config.checkpoint.dir
+    if directory is None:
+        return str(run_dir / "checkpoints")
+    return directory if "://" in directory else str(Path(directory).expanduser().resolve())
+
+
+def _restore_or_init(
+    config: Config, checkpointer: Checkpointer, mesh: Mesh, rules: ShardingRules, init_state: InitState
+) -> tuple[TrainState, Optional[LoaderState], int]:
+    """(state, data position, step): from the latest complete checkpoint, else fresh."""
+    latest = checkpointer.latest_step()
+    if latest is None:
+        return init_state(config, mesh, rules), None, 0
+    if not config.checkpoint.resume:
+        raise StageError(
+            f"{checkpointer.directory} already holds checkpoints (latest step {latest}) and "
+            "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
+        )
+    target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+    try:
+        restored = checkpointer.restore(latest, target=target)
+    except CheckpointMismatchError as e:
+        raise StageError(f"cannot resume: {e}") from e
+    return restored.state, LoaderState.from_dict(restored.loader_state), latest
+
+
+def train(config: Config, run_dir: Path, init_state: InitState = random_init) -> dict:
+    """Train (or resume) per `config`, writing into `run_dir`; returns the summary.
+
+    init_state: how to start when the checkpoint dir holds nothing to resume (a later stage
+    passes one that loads earlier weights); a resume always wins over it.
+    """
     maybe_initialize_distributed()
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
@@ -174,7 +247,6 @@ def train(config: Config, run_dir: Path) -> dict:
     if main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
-    log = MetricsLog(run_dir, main_process)
 
     # Everything that can reject the config runs before any compilation or checkpoint I/O.
     try:
@@ -184,44 +256,33 @@ def train(config: Config, run_dir: Path) -> dict:
     except (DataFileError, ValueError) as e:
         raise StageError(str(e)) from e
     rules = ShardingRules()
-    checkpoint_dir = Path(config.checkpoint.dir or run_dir / "checkpoints").resolve()
     checkpointer = Checkpointer(
-        checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
+        _checkpoint_dir(config, run_dir), keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
     )
-
-    # -- state: resume from the latest complete checkpoint, or initialise ------------------
-    latest = checkpointer.latest_step()
-    if latest is not None and not config.checkpoint.resume:
-        checkpointer.close()
-        raise StageError(
-            f"{checkpoint_dir} already holds checkpoints (latest step {latest}) and checkpoint.resume=false: "
-            "set checkpoint.resume=true to continue that run, or choose another checkpoint.dir / run dir"
+    log = MetricsLog(run_dir, main_process)
+    try:
+        state, loader_state, start_step = _restore_or_init(config, checkpointer, mesh, rules, init_state)
+        if loader_state is not None:
+            log.print(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step})")
+        loader = DataLoader(
+            dataset,
+            data.global_batch_size,
+            data.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            state=loader_state,
         )
-    loader_state = None
-    if latest is not None:
-        target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
-        try:
-            restored = checkpointer.restore(latest, target=target)
-        except CheckpointMismatchError as e:
-            checkpointer.close()
-            raise StageError(f"cannot resume: {e}") from e
-        state = restored.state
-        loader_state = LoaderState.from_dict(restored.loader_state)
-        log.print(f"Resuming from {checkpoint_dir / str(latest)} (step {latest})")
-    else:
-        state = init_train_state(config.model, config.optim, schedule, mesh, rules, jax.random.key(trainer.seed))
-    start_step = latest or 0
+        if loader.step != start_step:
+            raise StageError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
+        return _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, schedule, checkpointer, log, started)
+    finally:
+        checkpointer.close()  # waits for saves in flight
+        log.close()
 
-    loader = DataLoader(
-        dataset,
-        data.global_batch_size,
-        data.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        state=loader_state,
-    )
-    if loader.step != start_step:
-        raise StageError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
+
+def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, schedule, checkpointer, log, started) -> dict:
+    """The loop proper, from `start_step` to `trainer.stop_at or trainer.steps`."""
+    trainer, data = config.trainer, config.data
     sharding = batch_sharding(mesh, rules)
     eval_batches = []
     if heldout is not None and trainer.eval_every:
@@ -244,7 +305,7 @@ def train(config: Config, run_dir: Path) -> dict:
     )
 
     config_dict = config_to_dict(config)
-    last_saved = latest
+    last_saved = start_step if start_step else None
 
     def save(step: int) -> None:
         nonlocal last_saved
@@ -252,81 +313,76 @@ def train(config: Config, run_dir: Path) -> dict:
             checkpointer.save(step, state, loader_state=loader.state, config=config_dict)
             last_saved = step
 
-    # Throughput is measured between *boundaries*: steps whose metrics are fetched at once
-    # (the first step of this process, log steps, eval steps, the last step), so that every
-    # step counted in a window was dispatched after the window began, whether the backend
-    # runs steps asynchronously (accelerators) or inside the dispatch call (often on CPU).
-    # Between boundaries metrics are fetched one step late. The first step (compilation)
-    # and evaluations are excluded.
-    mark: dict[str, Any] = {"step": None, "time": 0.0}
-    throughput = {"tokens": 0, "seconds": 0.0}
+    throughput = Throughput(tokens_per_step)
     recent_losses: list[float] = []
     last_heldout: Optional[float] = None
-    pending: Optional[tuple[int, dict]] = None
 
     def record(step: int, metrics: dict, boundary: bool) -> None:
-        """Host side of step `step`: fetch its metrics, log them, and at boundaries time the window."""
+        """Host side of step `step`: fetch and write its metrics; print at log steps."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         recent_losses.append(values["loss"])
         del recent_losses[: -trainer.log_every]
         entry = {"step": step, **values}
         if boundary:
-            now = time.perf_counter()
-            if mark["step"] is None:
-                speed = f"first step (with compilation) {now - loop_started:.1f}s"
-            else:
-                steps, seconds = step - mark["step"], now - mark["time"]
-                throughput["tokens"] += steps * tokens_per_step
-                throughput["seconds"] += seconds
-                tps = steps * tokens_per_step / seconds
-                utilisation = mfu(model_flops, tps, jax.device_count(), peak)
-                entry.update(tokens_per_s=tps, mfu=utilisation)
-                speed = f"{tps:,.0f} tok/s" + (f" | MFU {100 * utilisation:.1f}%" if utilisation else "")
-            if mark["step"] is None or step % trainer.log_every == 0 or step == end_step:
+            first = throughput.step is None
+            rate = throughput.boundary(step)
+            utilisation = mfu(model_flops, rate, jax.device_count(), peak) if rate else None
+            if rate:
+                entry.update(tokens_per_s=rate, mfu=utilisation)
+            if first or step % trainer.log_every == 0 or step == end_step:
+                if rate is None:
+                    speed = f"first step (with compilation) {time.perf_counter() - loop_started:.1f}s"
+                else:
+                    speed = f"{rate:,.0f} tok/s" + (f" | MFU {100 * utilisation:.1f}%" if utilisation else "")
                 log.print(
                     f"step {step:>6}/{trainer.steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} "
                     f"| grad norm {values['grad_norm']:.3f} | {speed}" + (" | SKIPPED" if values["skipped"] else "")
                 )
-            mark.update(step=step, time=now)
         log.write(entry)
 
+    def run_eval(step: int) -> None:
+        nonlocal last_heldout
+        last_heldout, tokens = evaluate(eval_step, state.model, eval_batches)
+        log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens})
+        log.print(f"step {step:>6}/{trainer.steps} | held-out loss {last_heldout:.4f} ({heldout.name}, {tokens:,.0f} tokens)")
+        throughput.pause()
+
     interrupted = None
+    pending: Optional[tuple[int, dict]] = None
     loop_started = time.perf_counter()
-    try:
-        with stop_on_signals() as stop, Prefetcher(loader, depth=2, transform=lambda b: global_batch_arrays(b, sharding)) as batches:
-            for step in range(start_step + 1, end_step + 1):
-                state, metrics = train_step(state, next(batches))
-                if pending is not None:
-                    record(*pending, boundary=False)
-                pending = None
-                evaluate_now = bool(eval_batches) and (step % trainer.eval_every == 0 or step == end_step)
-                if step == start_step + 1 or step % trainer.log_every == 0 or evaluate_now or step == end_step:
-                    record(step, metrics, boundary=True)
-                else:
-                    pending = (step, metrics)
-                if evaluate_now:
-                    last_heldout, tokens = evaluate(eval_step, state.model, eval_batches)
-                    log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens})
-                    log.print(f"step {step:>6}/{trainer.steps} | held-out loss {last_heldout:.4f} ({heldout.name}, {tokens:,.0f} tokens)")
-                    mark["time"] = time.perf_counter()  # evaluation is not training throughput
-                if config.checkpoint.every and step % config.checkpoint.every == 0:
-                    save(step)
-                should_check = jax.process_count() == 1 or step % trainer.log_every == 0
-                if should_check and _all_agree(bool(stop)) and step < end_step:
-                    interrupted = stop.signal or "signal on another process"
-                    end_step = step
-                    break
-            if pending is not None:
+    to_global = lambda b: global_batch_arrays(b, sharding)  # noqa: E731  (runs in the prefetch thread)
+    with stop_on_signals() as stop, Prefetcher(loader, depth=2, transform=to_global) as batches:
+        for step in range(start_step + 1, end_step + 1):
+            state, metrics = train_step(state, next(batches))
+            if pending is not None:  # the previous step's metrics, one step late
                 record(*pending, boundary=False)
-        save(end_step)
-        checkpointer.wait_until_finished()
-    finally:
-        checkpointer.close()
-        log.close()
+                pending = None
+            evaluate_now = bool(eval_batches) and (step % trainer.eval_every == 0 or step == end_step)
+            if step == start_step + 1 or step % trainer.log_every == 0 or evaluate_now or step == end_step:
+                record(step, metrics, boundary=True)
+            else:
+                pending = (step, metrics)
+            if evaluate_now:
+                run_eval(step)
+            if config.checkpoint.every and step % config.checkpoint.every == 0:
+                save(step)
+            # Every process must stop at the same step: agree (a collective) at log steps.
+            if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < end_step:
+                if _all_agree(bool(stop)):
+                    interrupted, end_step = stop.signal or "signal on another process", step
+                    break
+        if pending is not None:
+            record(*pending, boundary=False)
+    if start_step >= end_step:
+        log.print(f"Nothing to train: the checkpoint is at step {start_step}, the run ends at {end_step}")
+        if eval_batches:
+            run_eval(start_step)
+    save(end_step)
+    checkpointer.wait_until_finished()
 
     completed = end_step == trainer.steps
     wall = time.perf_counter() - started
-    tps = throughput["tokens"] / throughput["seconds"] if throughput["seconds"] else None
+    tps = throughput.mean
     summary = {
         "stage_completed": completed,
         "interrupted": interrupted,
@@ -342,10 +398,10 @@ def train(config: Config, run_dir: Path) -> dict:
         "mfu": mfu(model_flops, tps, jax.device_count(), peak) if tps else None,
         "wall_time_s": wall,
         "devices": jax.device_count(),
-        "checkpoint": str(checkpoint_dir / str(end_step)),
+        "checkpoint": str(checkpointer.directory / str(end_step)),
         "run_dir": str(run_dir),
     }
-    if main_process:
+    if log.enabled:
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         status = "done" if completed else f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}); rerun to resume"
         print(f"\n{status} in {wall:.1f}s | summary: {run_dir / SUMMARY_FILE}\n{json.dumps(summary, indent=2)}", flush=True)
