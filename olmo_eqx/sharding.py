@@ -11,6 +11,7 @@ Scale never changes code: a dimension that the mesh axis does not divide (a 64-w
 7B on a pod.
 """
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -76,6 +77,17 @@ class ShardingRules:
     norm: Optional[str] = None
     # The batch dimension of inputs (and of activations, by propagation).
     batch: tuple[str, ...] = ("data", "fsdp")
+
+    def __post_init__(self):
+        # Configs may hand over lists (YAML); keep the rules hashable (they key jit caches).
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+            value = getattr(self, f.name)
+            for name in value if isinstance(value, tuple) else (value,):
+                if name is not None and name not in MESH_AXES:
+                    raise ValueError(f"sharding rule {f.name}={value!r}: mesh axes are {MESH_AXES} (or null)")
 
     def mesh_axes(self, logical: str) -> Any:
         if not hasattr(self, logical):

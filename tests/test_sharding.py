@@ -77,6 +77,12 @@ def test_optimizer_moments_follow_their_parameters():
     assert jax.tree.structure(shardings) == jax.tree.structure(state)
 
 
+def test_rules_name_real_mesh_axes():
+    assert hash(ShardingRules(embed=None)) != hash(ShardingRules())  # hashable: keys jit caches
+    with pytest.raises(ValueError, match="mesh axes are"):
+        ShardingRules(embed="model")
+
+
 def test_batch_sharding():
     mesh = make_mesh(MeshConfig(data=2, fsdp=-1))
     assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)
