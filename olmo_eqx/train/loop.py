@@ -47,6 +47,7 @@ from olmo_eqx.train.state import TrainState, init_train_state, sharded_abstract_
 from olmo_eqx.train.step import make_eval_step, make_train_step
 
 METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +107,8 @@ def stop_on_signals() -> Iterator[StopFlag]:
         if flag and signum == signal.SIGINT:
             raise KeyboardInterrupt
         flag.signal = signal.Signals(signum).name
-        print(f"\n{flag.signal} received: finishing this step, then saving a checkpoint", flush=True)
+        if jax.process_index() == 0:
+            print(f"\n{flag.signal} received: finishing this step, then saving a checkpoint", flush=True)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -130,25 +132,30 @@ def _all_agree(flag: bool) -> bool:
 
 
 class MetricsLog:
-    """Prints on process 0 and appends JSON lines to `metrics.jsonl` (appending across resumes)."""
+    """Process 0's outputs: metrics as JSON lines in `metrics.jsonl`, and the printed progress,
+    also kept in `train.log`. Both append, so a resumed run continues them (after a hard kill
+    the steps since the last checkpoint appear twice; the later record of a step wins)."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.enabled = enabled
-        self.path = run_dir / METRICS_FILE
-        self._file = open(self.path, "a") if enabled else None
+        self._metrics = open(run_dir / METRICS_FILE, "a") if enabled else None
+        self._text = open(run_dir / LOG_FILE, "a") if enabled else None
 
     def write(self, record: dict) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
 
     def print(self, text: str) -> None:
-        if self.enabled:
+        if self._text is not None:
             print(text, flush=True)
+            self._text.write(text + "\n")
+            self._text.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        for file in (self._metrics, self._text):
+            if file is not None:
+                file.close()
 
 
 def evaluate(eval_step, model, batches: list[dict]) -> tuple[float, float]:
@@ -404,5 +411,5 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
     if log.enabled:
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         status = "done" if completed else f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}); rerun to resume"
-        print(f"\n{status} in {wall:.1f}s | summary: {run_dir / SUMMARY_FILE}\n{json.dumps(summary, indent=2)}", flush=True)
+        log.print(f"\n{status} in {wall:.1f}s | summary: {run_dir / SUMMARY_FILE}\n{json.dumps(summary, indent=2)}")
     return summary
