@@ -63,8 +63,9 @@ class DataConfig:
     source: str = "embedded"
     data_root: Optional[str] = None
     tokenizer: Optional[str] = None
-    # Held-out token files (a glob); None uses the embedded corpus's held-out split.
-    heldout: Optional[str] = None
+    # Named held-out sets, name -> token files (a path or glob), each evaluated on its own
+    # (per-domain held-out loss). Empty with the embedded source: its held-out split.
+    heldout: dict[str, str] = field(default_factory=dict)
     sequence_length: int = 256
     global_batch_size: int = 16
     seed: int = 34521
@@ -176,7 +177,8 @@ def _schema_type(tp):
         args = [a for a in typing.get_args(tp) if a is not Ellipsis]
         return List[_schema_type(args[0])] if len(set(args)) == 1 else List[Any]
     if origin is dict:
-        return Dict[str, Any]
+        args = typing.get_args(tp)
+        return Dict[str, _schema_type(args[1]) if args else Any]
     if dataclasses.is_dataclass(tp):
         return schema_of(tp)
     return tp
@@ -270,7 +272,8 @@ def _check(value, tp, key: str):
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping")
-        return dict(value)
+        args = typing.get_args(tp)
+        return {k: _check(v, args[1], f"{key}.{k}") if args else v for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(tp, type) and not isinstance(value, tp):

@@ -13,6 +13,7 @@ import os
 import pytest
 
 from olmo_eqx.config import compose_config
+from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.stages import StageError
 from olmo_eqx.train.loop import train
 
@@ -61,12 +62,18 @@ def test_stop_and_resume_is_bitwise_identical(uninterrupted, tmp_path):
     reference = read_metrics(uninterrupted[0])
     first = train(compose_config(TINY + ["trainer.stop_at=5"]), tmp_path)
     assert not first["stage_completed"] and checkpoint_steps(tmp_path) == [5]
-    second = train(compose_config(TINY), tmp_path)
+    # Held-out sets are evaluation only: naming two of them changes no training number.
+    corpus = embedded_corpus()
+    named_sets = [f"+data.heldout.stdlib={corpus.heldout_files[0]}", f"+data.heldout.train_sample={corpus.train_files[0]}"]
+    second = train(compose_config(TINY + named_sets), tmp_path)
     assert second["start_step"] == 5 and second["stage_completed"]
     resumed = read_metrics(tmp_path)
     for step in range(1, 13):
         for key in ("loss", "grad_norm", "lr"):
             assert resumed[step][key] == reference[step][key], (step, key)
+    assert set(second["final_heldout_losses"]) == {"stdlib", "train_sample"}
+    # The reference evaluated the same held-out split (under its default name) at step 12.
+    assert second["final_heldout_losses"]["stdlib"] == uninterrupted[1]["final_heldout_loss"]
 
 
 def test_mismatched_checkpoint_is_refused_clearly(uninterrupted):

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +31,7 @@ from jax.sharding import Mesh
 from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer
 from olmo_eqx.config import Config, DataConfig, config_to_dict
 from olmo_eqx.data.embedded import embedded_corpus
-from olmo_eqx.data.heldout import HeldOutSet
+from olmo_eqx.data.heldout import HeldOutSet, heldout_sets
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
 from olmo_eqx.data.mixes import read_mix, source_from_paths
@@ -54,9 +55,10 @@ LOG_FILE = "train.log"
 # Data
 
 
-def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, Optional[HeldOutSet]]:
-    """The training instances and the held-out set (None when there is none) of `data`."""
+def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, list[HeldOutSet]]:
+    """The training instances and the named held-out sets of `data`."""
     seq = data.sequence_length
+    heldout = []
     if data.source == "embedded":
         corpus = embedded_corpus()
         if corpus.vocab_size > vocab_size:
@@ -65,7 +67,8 @@ def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, 
                 f"use a model with vocab_size >= {corpus.vocab_size} (e.g. model=olmo3_tiny)"
             )
         train = corpus.train_dataset(seq, filter_repeated_ngrams=data.filter_repeated_ngrams)
-        heldout = corpus.heldout_set(seq)
+        if not data.heldout:
+            heldout = [corpus.heldout_set(seq)]
     else:
         if data.source.endswith(".txt"):
             if not (data.data_root and data.tokenizer):
@@ -74,10 +77,8 @@ def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, 
         else:
             sources = [source_from_paths("train", data.source)]
         train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams)
-        heldout = None
-    if data.heldout is not None:
-        source = source_from_paths("heldout", data.heldout)
-        heldout = HeldOutSet("heldout", InstanceDataset([source], seq, vocab_size))
+    if data.heldout:
+        heldout = heldout_sets([source_from_paths(name, paths) for name, paths in data.heldout.items()], seq, vocab_size)
     return train, heldout
 
 
@@ -158,13 +159,16 @@ class MetricsLog:
                 file.close()
 
 
-def evaluate(eval_step, model, batches: list[dict]) -> tuple[float, float]:
-    """Mean held-out cross-entropy over `batches` and the number of target tokens."""
-    ce = count = 0.0
-    for batch in batches:
-        sums = jax.device_get(eval_step(model, batch))
-        ce, count = ce + float(sums.ce), count + float(sums.count)
-    return ce / max(count, 1.0), count
+def evaluate(eval_step, model, sets: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
+    """Per held-out set: (mean cross-entropy over its batches, number of target tokens)."""
+    results = {}
+    for name, batches in sets.items():
+        ce = count = 0.0
+        for batch in batches:
+            sums = jax.device_get(eval_step(model, batch))
+            ce, count = ce + float(sums.ce), count + float(sums.count)
+        results[name] = (ce / max(count, 1.0), count)
+    return results
 
 
 class Throughput:
@@ -291,12 +295,11 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
     """The loop proper, from `start_step` to `trainer.stop_at or trainer.steps`."""
     trainer, data = config.trainer, config.data
     sharding = batch_sharding(mesh, rules)
-    eval_batches = []
-    if heldout is not None and trainer.eval_every:
-        for batch in heldout.batches(data.global_batch_size, jax.process_index(), jax.process_count()):
-            if len(eval_batches) == trainer.eval_batches:
-                break
-            eval_batches.append(global_batch_arrays(batch, sharding))
+    # The first `eval_batches` batches of every held-out set, on the devices once.
+    eval_batches: dict[str, list[dict]] = {}
+    for heldout_set in heldout if trainer.eval_every else []:
+        batches = heldout_set.batches(data.global_batch_size, jax.process_index(), jax.process_count())
+        eval_batches[heldout_set.name] = [global_batch_arrays(b, sharding) for b in islice(batches, trainer.eval_batches)]
     train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
     eval_step = make_eval_step()
 
@@ -323,6 +326,7 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
     throughput = Throughput(tokens_per_step)
     recent_losses: list[float] = []
     last_heldout: Optional[float] = None
+    last_heldout_sets: dict[str, float] = {}
 
     def record(step: int, metrics: dict, boundary: bool) -> None:
         """Host side of step `step`: fetch and write its metrics; print at log steps."""
@@ -348,10 +352,15 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
         log.write(entry)
 
     def run_eval(step: int) -> None:
-        nonlocal last_heldout
-        last_heldout, tokens = evaluate(eval_step, state.model, eval_batches)
-        log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens})
-        log.print(f"step {step:>6}/{trainer.steps} | held-out loss {last_heldout:.4f} ({heldout.name}, {tokens:,.0f} tokens)")
+        """Held-out loss per set; `heldout_loss` is their token-weighted mean."""
+        nonlocal last_heldout, last_heldout_sets
+        results = evaluate(eval_step, state.model, eval_batches)
+        tokens = sum(count for _, count in results.values())
+        last_heldout = sum(loss * count for loss, count in results.values()) / max(tokens, 1.0)
+        last_heldout_sets = {name: loss for name, (loss, _) in results.items()}
+        log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens, "heldout": last_heldout_sets})
+        for name, (loss, count) in results.items():
+            log.print(f"step {step:>6}/{trainer.steps} | held-out loss {loss:.4f} ({name}, {count:,.0f} tokens)")
         throughput.pause()
 
     interrupted = None
@@ -401,6 +410,7 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
         "final_train_loss": float(np.mean(recent_losses)) if recent_losses else None,
         "last_step_loss": recent_losses[-1] if recent_losses else None,
         "final_heldout_loss": last_heldout,
+        "final_heldout_losses": last_heldout_sets,
         "tokens_per_s": tps,
         "mfu": mfu(model_flops, tps, jax.device_count(), peak) if tps else None,
         "wall_time_s": wall,
