@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ..sharding import ShardingRules, train_state_shardings
+from ..sharding import ShardingRules, model_shardings, train_state_shardings
 from .loss import LossSums, loss_sums, objective, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
 from .state import TrainState
@@ -103,7 +103,16 @@ def make_train_step(
             return objective(sums, z_weight, count), sums
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
-        to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+
+        def to_f32(grads):
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            if mesh is None:
+                return grads
+            # Gradients laid out like their parameters: the batch reduction becomes a
+            # reduce-scatter into the FSDP shards instead of a full all-reduce.
+            shardings = model_shardings(state.model, mesh, rules)
+            return jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
+
         if micro_batches == 1:
             grads, sums = grad_fn(params, ids, mask)
             grads = to_f32(grads)
