@@ -1,0 +1,101 @@
+"""Find the checkpoint a user points at: a run directory, a checkpoints directory, a step
+directory of ours, or a HF model directory.
+
+Later stages take one path (`checkpoint.load=...`, the soup's list) and should not make the
+user remember which level of the tree to name:
+
+    outputs/2026-01-01/12-00-00                    a run dir: its checkpoints/ (or the
+                                                   checkpoint.dir its config.json names)
+    outputs/2026-01-01/12-00-00/checkpoints        a checkpoints dir: its latest complete step
+    outputs/2026-01-01/12-00-00/checkpoints/200    one step
+    /models/Olmo-3-7B                              a HF checkpoint (config.json + *.safetensors)
+
+Anything else stops with a message saying what was found and what is expected.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from .checkpoint import COMMIT_MARKER
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """A path that names no usable checkpoint; the message says what would."""
+
+
+@dataclass(frozen=True)
+class CheckpointLocation:
+    """Where a checkpoint lives. kind "olmo_eqx": `directory` is a checkpoints dir (the one
+    `Checkpointer` opens) and `step` its step; kind "hf": `directory` is the HF model dir."""
+
+    kind: Literal["olmo_eqx", "hf"]
+    directory: Path
+    step: Optional[int] = None
+
+    def __str__(self) -> str:
+        return str(self.directory / str(self.step)) if self.kind == "olmo_eqx" else str(self.directory)
+
+
+def _complete_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / COMMIT_MARKER).exists()
+    )
+
+
+def _is_hf_dir(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
+def _configured_checkpoint_dir(run_dir: Path) -> Optional[Path]:
+    """The `checkpoint.dir` a run's config.json names (None when it used <run dir>/checkpoints)."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        directory = config["checkpoint"]["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(directory) if directory and "://" not in directory else None
+
+
+def resolve_checkpoint(path: str | os.PathLike, *, allow_hf: bool = True) -> CheckpointLocation:
+    """The checkpoint `path` names (see the module docstring); the latest complete step when
+    it names a directory of several. Raises `CheckpointNotFoundError` with the fix otherwise."""
+    text = os.fspath(path)
+    if "://" in text:
+        raise CheckpointNotFoundError(
+            f"{text}: remote checkpoints are read by opening their checkpoints dir directly "
+            "(olmo_eqx.checkpoint.Checkpointer); here give a local path"
+        )
+    given = Path(text).expanduser().resolve()
+    if not given.exists():
+        raise CheckpointNotFoundError(f"checkpoint path {given} does not exist")
+    if not given.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint path {given} is a file; give a run dir, its checkpoints dir or a step dir")
+    # A step directory: <checkpoints>/<step>/ holding Orbax's commit marker.
+    if given.name.isdigit() and (given / "model").is_dir():
+        if not (given / COMMIT_MARKER).exists():
+            raise CheckpointNotFoundError(
+                f"{given} is an incomplete checkpoint (no {COMMIT_MARKER}: its save never finished); "
+                f"complete steps beside it: {_complete_steps(given.parent) or 'none'}"
+            )
+        return CheckpointLocation("olmo_eqx", given.parent, int(given.name))
+    candidates = [given, given / "checkpoints"]
+    configured = _configured_checkpoint_dir(given)
+    if configured is not None:
+        candidates.append(configured)
+    for directory in candidates:
+        steps = _complete_steps(directory)
+        if steps:
+            return CheckpointLocation("olmo_eqx", directory, steps[-1])
+    if allow_hf and _is_hf_dir(given):
+        return CheckpointLocation("hf", given)
+    looked = ", ".join(str(c) for c in candidates)
+    hf = " or a HF model dir (config.json + *.safetensors)" if allow_hf else ""
+    raise CheckpointNotFoundError(
+        f"no complete checkpoint at {given} (looked in {looked}); give a run dir, its checkpoints dir "
+        f"or one step dir (<run dir>/checkpoints/<step>){hf}"
+    )

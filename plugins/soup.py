@@ -1,0 +1,181 @@
+"""Checkpoint soup: `python -m olmo_eqx +stage=soup stage.checkpoints=[A,B,...]`.
+
+Averages the weights of N checkpoints of the same model (OLMo 3 32B averaged two stage-2
+runs) into a new checkpoint of the usual format, in `<run dir>/checkpoints/0` (or
+`checkpoint.dir`). Each of A, B, ... is a run dir, its checkpoints dir or one step dir (the
+latest complete step of a dir). `stage.weights=[w1,w2,...]` weighs them (normalised to sum
+to 1); the default is the plain mean.
+
+Memory: the checkpoints are restored one at a time, directly into their shards on this run's
+mesh (any mesh: the one of `mesh.*`), and added into a float32 running sum, so each device
+holds its shard of the sum plus at most one restored model. The result is written with a fresh
+optimiser state (zero Adam moments, step 0): an anneal from it starts its optimiser anew.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from olmo_eqx.config import Config
+
+SOUP_STEP = 0
+
+
+@dataclass(frozen=True)
+class SoupSettings:
+    """`stage.*` of the soup stage."""
+
+    # Checkpoints to average: run dirs, checkpoints dirs or step dirs (at least one).
+    checkpoints: tuple[str, ...] = ()
+    # One weight per checkpoint, >= 0, normalised to sum 1; None: uniform.
+    weights: Optional[tuple[float, ...]] = None
+
+    def __post_init__(self):
+        if self.weights is not None:
+            if len(self.weights) != len(self.checkpoints):
+                raise ValueError(
+                    f"weights has {len(self.weights)} entries but checkpoints has {len(self.checkpoints)}; give one weight each"
+                )
+            if any(not (w >= 0) for w in self.weights) or not sum(self.weights) > 0:
+                raise ValueError(f"weights={list(self.weights)} must be >= 0 and sum to more than 0")
+
+
+class Soup:
+    """Average the weights of N checkpoints (uniform or weighted) into a new checkpoint."""
+
+    description = "Average the weights of N checkpoints (stage.checkpoints=[...], stage.weights=[...]) into a new checkpoint"
+    config_class = SoupSettings
+
+    def run(self, config: Config, run_dir: Path) -> Optional[dict]:
+        import jax
+
+        from olmo_eqx.checkpoint import Checkpointer
+        from olmo_eqx.config import config_to_dict
+        from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
+        from olmo_eqx.stages import StageError
+        from olmo_eqx.sweep import SUMMARY_FILE
+
+        from olmo_eqx_plugins.anneal import fresh_state
+
+        maybe_initialize_distributed()
+        settings = config.stage if isinstance(config.stage, SoupSettings) else SoupSettings(**(config.stage or {}))
+        if not settings.checkpoints:
+            raise StageError("soup needs the checkpoints to average: stage.checkpoints=[PATH,PATH,...]")
+        run_dir = Path(run_dir).resolve()
+        main_process = jax.process_index() == 0
+        locations = _locate(settings.checkpoints)
+        model_config = _common_model_config(locations)
+        weights = settings.weights or (1.0,) * len(locations)
+
+        out_dir = Path(config.checkpoint.dir).expanduser().resolve() if config.checkpoint.dir else run_dir / "checkpoints"
+        from olmo_eqx.checkpoint_paths import _complete_steps
+
+        if _complete_steps(out_dir):
+            raise StageError(f"{out_dir} already holds a checkpoint; give the soup a new run dir (hydra.run.dir=...)")
+        try:
+            mesh = make_mesh(config.mesh)
+        except ValueError as e:
+            raise StageError(str(e)) from e
+        rules = ShardingRules()
+        total = sum(weights)
+        if main_process:
+            print(f"soup of {len(locations)} checkpoint(s) of {model_config.name} on mesh {dict(mesh.shape)}:", flush=True)
+            for location, weight in zip(locations, weights):
+                print(f"  {weight / total:.4f} x {location}", flush=True)
+
+        model = average_checkpoints(locations, weights, model_config, mesh, rules)
+        config = dataclasses.replace(config, model=model_config, stage=settings)
+        state = fresh_state(model, config.optim, mesh, rules)
+        del model
+        with Checkpointer(out_dir, keep_last=None) as checkpointer:
+            checkpointer.save(SOUP_STEP, state, loader_state=None, config=config_to_dict(config))
+        summary = {
+            "stage_completed": True,
+            "model": model_config.name,
+            "inputs": [str(location) for location in locations],
+            "weights": [w / total for w in weights],
+            "checkpoint": str(out_dir / str(SOUP_STEP)),
+            "devices": jax.device_count(),
+            "run_dir": str(run_dir),
+        }
+        if main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"soup written to {summary['checkpoint']}", flush=True)
+        return summary
+
+
+def _locate(paths):
+    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
+    from olmo_eqx.stages import StageError
+
+    locations = []
+    for i, path in enumerate(paths):
+        try:
+            locations.append(resolve_checkpoint(path, allow_hf=False))
+        except CheckpointNotFoundError as e:
+            raise StageError(f"stage.checkpoints[{i}]: {e}") from e
+    return locations
+
+
+def _common_model_config(locations):
+    """The model config every checkpoint shares; a clear error naming the odd one out otherwise."""
+    from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer, check_model_config
+    from olmo_eqx.stages import StageError
+
+    configs = []
+    for location in locations:
+        with Checkpointer(location.directory, keep_last=None, async_save=False) as checkpointer:
+            configs.append(checkpointer.stored_model_config(location.step))
+    for location, config in zip(locations[1:], configs[1:]):
+        try:
+            check_model_config(config, configs[0], f"checkpoint {location}")
+        except CheckpointMismatchError as e:
+            raise StageError(
+                f"soup: checkpoints of different models cannot be averaged: {e} (the first checkpoint, {locations[0]}, "
+                "sets the model)"
+            ) from e
+    return configs[0]
+
+
+def average_checkpoints(locations, weights, model_config, mesh, rules):
+    """sum_i w_i * model_i / sum_i w_i, restoring one checkpoint at a time into its shards and
+    accumulating in float32; the result has the model's parameter dtype and shardings."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.models.olmo3 import abstract_model
+    from olmo_eqx.sharding import model_shardings
+
+    abstract = abstract_model(model_config)
+    shardings = model_shardings(abstract, mesh, rules)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    # The sum is donated (updated in place); each restored copy is dropped right after its add.
+    add = jax.jit(
+        lambda total, model, w: jax.tree.map(lambda t, x: t + w * x.astype(jnp.float32), total, model),
+        donate_argnums=0,
+        out_shardings=shardings,
+    )
+    first = jax.jit(
+        lambda model, w: jax.tree.map(lambda x: w * x.astype(jnp.float32), model),
+        donate_argnums=0,
+        out_shardings=shardings,
+    )
+    finish = jax.jit(
+        lambda total, norm: jax.tree.map(lambda t, a: (t / norm).astype(a.dtype), total, abstract),
+        donate_argnums=0,
+        out_shardings=shardings,
+    )
+    total = None
+    for location, weight in zip(locations, weights):
+        with Checkpointer(location.directory, keep_last=None, async_save=False) as checkpointer:
+            model = checkpointer.restore_model(location.step, target=target)
+        w = jnp.float32(weight)
+        total = first(model, w) if total is None else add(total, model, w)
+        del model
+    return finish(total, jnp.float32(sum(weights)))
