@@ -100,6 +100,7 @@ class Checkpointer:
     """Save and restore train states in `directory` (made absolute; created if missing).
 
     keep_last: newest checkpoints kept; keep_every: also keep steps divisible by it.
+    read_only: open someone else's checkpoints (eval, export) without touching the directory.
     Saves are asynchronous: `save` returns once the arrays are copied off the devices;
     call `wait_until_finished()` before reading a checkpoint back and `close()` at the end.
     """
@@ -111,18 +112,22 @@ class Checkpointer:
         keep_last: Optional[int] = 2,
         keep_every: Optional[int] = None,
         async_save: bool = True,
+        read_only: bool = False,
     ):
         # Orbax refuses relative paths: resolve local ones against the current directory;
         # URLs (gs://...) are already absolute and go through etils' epath like Orbax itself.
+        self.read_only = read_only
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else Path(text).expanduser().resolve())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every,
             enable_async_checkpointing=async_save,
-            create=True,
-            # Remove tmp dirs left by a run killed mid-save when a new run opens the directory.
-            cleanup_tmp_directories=True,
+            create=not read_only,
+            read_only=read_only,
+            # The writer removes tmp dirs left by a run killed mid-save; a reader (eval, export)
+            # must not, or it would delete a live run's in-flight save.
+            cleanup_tmp_directories=not read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
@@ -166,6 +171,8 @@ class Checkpointer:
         config: the resolved run config as a dict (or dataclass). Returns whether a save began
         (False when a complete checkpoint of this step already exists, e.g. right after a resume).
         """
+        if self.read_only:
+            raise PermissionError(f"checkpointer for {self.directory} was opened read_only; it cannot save")
         if int(step) in self.all_steps():
             return False
         args = ocp.args.Composite(
@@ -250,7 +257,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     from .hf import save_hf  # lazy: keeps safetensors/HF mapping out of training imports
     from .models.olmo3 import abstract_model
 
-    checkpointer = Checkpointer(checkpoint_dir, keep_last=None)
+    checkpointer = Checkpointer(checkpoint_dir, keep_last=None, read_only=True)
     try:
         config = checkpointer.stored_model_config(step)
         device = jax.devices()[0]

@@ -113,10 +113,19 @@ def test_half_written_steps_are_ignored(reference, tmp_path, mesh8):
     (directory / "7" / COMMIT_MARKER).unlink()
     # ... and Orbax's own in-flight tmp dir of a save that was killed.
     shutil.copytree(directory / str(K), directory / "9.orbax-checkpoint-tmp-1234567")
-    checkpointer = Checkpointer(directory)
+    # A reader (eval, export) sees only the complete step and leaves a live run's tmp dir be.
+    checkpointer = Checkpointer(directory, read_only=True)
     assert checkpointer.latest_step() == K and checkpointer.all_steps() == [K]
     with pytest.raises(FileNotFoundError, match="step 7"):
         checkpointer.restore(7, target=sharded_abstract_train_state(TINY, OPTIM, mesh8))
+    assert checkpointer.restore(target=sharded_abstract_train_state(TINY, OPTIM, mesh8)).step == K
+    with pytest.raises(PermissionError, match="read_only"):
+        checkpointer.save(10, checkpointer.restore(target=sharded_abstract_train_state(TINY, OPTIM, mesh8)).state)
+    checkpointer.close()
+    assert (directory / "9.orbax-checkpoint-tmp-1234567").exists()
+    # The writer sees the same.
+    checkpointer = Checkpointer(directory)
+    assert checkpointer.latest_step() == K
     checkpointer.close()
 
 
