@@ -42,6 +42,7 @@ from olmo_eqx.models.olmo3 import count_params
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
 from olmo_eqx.stages import StageError
 from olmo_eqx.sweep import SUMMARY_FILE
+from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import mfu, peak_flops_per_device
 from olmo_eqx.train.schedules import make_schedule
 from olmo_eqx.train.state import TrainState, init_train_state, sharded_abstract_train_state
@@ -327,12 +328,14 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
     recent_losses: list[float] = []
     last_heldout: Optional[float] = None
     last_heldout_sets: dict[str, float] = {}
+    gap_alarm = GapAlarm()  # training loss falling while held-out loss doesn't: data repeating?
 
     def record(step: int, metrics: dict, boundary: bool) -> None:
         """Host side of step `step`: fetch and write its metrics; print at log steps."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         recent_losses.append(values["loss"])
         del recent_losses[: -trainer.log_every]
+        gap_alarm.train_loss(values["loss"])
         entry = {"step": step, **values}
         if boundary:
             first = throughput.step is None
@@ -361,6 +364,9 @@ def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, sched
         log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens, "heldout": last_heldout_sets})
         for name, (loss, count) in results.items():
             log.print(f"step {step:>6}/{trainer.steps} | held-out loss {loss:.4f} ({name}, {count:,.0f} tokens)")
+        if (alarm := gap_alarm.heldout(step, last_heldout)) is not None and log.enabled:
+            log.write(alarm)
+            warn_gap(alarm)
         throughput.pause()
 
     interrupted = None
