@@ -20,6 +20,17 @@ from olmo_eqx.train.loop import train
 from clihelp import TINY, olmo_eqx
 
 
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> dict:
+    """Environment of subprocess runs that test the CLI, not sharding: one CPU device compiles
+    faster than eight, and a shared compilation cache lets a rerun skip compiling."""
+    return {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
 def read_metrics(run_dir) -> dict[int, dict]:
     """Train-step records by step (the last record of a step wins, as after a replay)."""
     records = {}
@@ -82,10 +93,14 @@ def test_mismatched_checkpoint_is_refused_clearly(uninterrupted):
         train(compose_config(TINY + ["model.d_model=96"]), run_dir)
 
 
-def test_sigterm_saves_and_the_next_run_resumes(tmp_path):
+def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     args = TINY + ["trainer.steps=100000", "trainer.log_every=1", "checkpoint.every=0", f"hydra.run.dir={tmp_path}"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "olmo_eqx", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "olmo_eqx", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **one_device},
     )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
@@ -100,16 +115,16 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path):
     assert summary["interrupted"] == "SIGTERM" and 3 <= stopped < 100000
     assert checkpoint_steps(tmp_path) == [stopped]
 
-    result = olmo_eqx(*args, f"trainer.stop_at={stopped + 2}")
+    result = olmo_eqx(*args, f"trainer.stop_at={stopped + 2}", env=one_device)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["start_step"] == stopped and summary["end_step"] == stopped + 2
     assert f"Resuming from {tmp_path / 'checkpoints' / str(stopped)}" in result.stdout
 
 
-def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path):
+def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path, one_device):
     args = [a for a in TINY if not a.startswith("trainer.steps")] + ["trainer.steps=4", "trainer.eval_every=4"]
-    result = olmo_eqx("-m", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}")
+    result = olmo_eqx("-m", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}", env=one_device)
     assert result.returncode == 0, result.stdout + result.stderr
     for job in ("0", "1"):
         summary = json.loads((tmp_path / job / "summary.json").read_text())
@@ -127,7 +142,7 @@ def test_two_processes_train_like_one(uninterrupted, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=4", f"hydra.run.dir={tmp_path}"]
+    args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=4", "trainer.eval_every=0", f"hydra.run.dir={tmp_path}"]
     processes = []
     for rank in range(2):
         env = {
