@@ -18,9 +18,9 @@ import dataclasses
 import importlib.util
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from hydra.core.config_store import ConfigStore
@@ -31,7 +31,6 @@ from olmo_eqx.models.zoo import ZOO
 from olmo_eqx.sharding import MeshConfig
 from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.schedules import ScheduleConfig
-
 
 
 def _conf_dir() -> Path:
@@ -67,7 +66,7 @@ class DataConfig:
     # (per-domain held-out loss). Empty with the embedded source: its held-out split.
     heldout: dict[str, str] = field(default_factory=dict)
     sequence_length: int = 256
-    global_batch_size: int = 16
+    global_batch_size: int = 8
     seed: int = 34521
     # Zero the loss of instances with >= 32 repeats of an n-gram (OLMo 3's instance filter).
     filter_repeated_ngrams: bool = False
@@ -106,7 +105,7 @@ class TrainerConfig:
 
     # Optimiser steps of the whole run (the schedule's horizon).
     steps: int = 200
-    # Print a metrics line (and append to metrics.jsonl) every this many steps.
+    # Print a progress line every this many steps (metrics.jsonl gets every step).
     log_every: int = 10
     # Held-out loss every this many steps (and at the last step); 0 disables it.
     eval_every: int = 50
@@ -306,11 +305,26 @@ def build(cls: type, values: Any, key: str = "") -> Any:
         raise ConfigError(f"{key or cls.__name__}: {e}") from e
 
 
+def check_across_groups(config: Config) -> None:
+    """Constraints that span groups (each group checks its own fields in `__post_init__`)."""
+    batch, micro = config.data.global_batch_size, config.trainer.micro_batches
+    if batch % micro:
+        raise ConfigError(f"data.global_batch_size={batch} is not divisible by trainer.micro_batches={micro}")
+    horizon = config.schedule.total_steps or config.trainer.steps
+    if config.schedule.warmup_steps >= horizon:
+        raise ConfigError(
+            f"schedule.warmup_steps={config.schedule.warmup_steps} must be below the schedule's length "
+            f"{horizon} (schedule.total_steps, else trainer.steps)"
+        )
+
+
 def to_config(cfg: Any) -> Config:
     """The composed Hydra config (a `DictConfig`) as a checked `Config` (raises `ConfigError`)."""
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     values.pop("hydra", None)
-    return build(Config, values)
+    config = build(Config, values)
+    check_across_groups(config)
+    return config
 
 
 def config_to_dict(config: Config) -> dict:

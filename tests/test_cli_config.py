@@ -52,9 +52,13 @@ def test_model_group_is_the_zoo_and_fields_override():
     assert config.model == dataclasses.replace(get_model_config("olmo2_1b"), n_layers=8)
 
 
-def test_post_init_errors_name_the_group():
+def test_post_init_and_cross_group_errors_name_the_keys():
     with pytest.raises(ConfigError, match="model"):
         compose_config(["model.n_heads=3"])  # n_heads not a multiple of n_kv_heads
+    with pytest.raises(ConfigError, match="data.global_batch_size=8 .* trainer.micro_batches=3"):
+        compose_config(["trainer.micro_batches=3"])
+    with pytest.raises(ConfigError, match="schedule.warmup_steps=20"):
+        compose_config(["trainer.steps=20"])
 
 
 def test_schema_mirrors_library_dataclasses():
