@@ -1,0 +1,30 @@
+"""`python -m olmo_eqx +stage=compare checkpoint.load=A stage.against=B`.
+
+The four-surface parity report between two models (ours or HF): held-out loss, downstream
+accuracy per task, per-domain perplexity and token-level KL divergence, side by side with
+differences, as `compare.md` and `compare.json` (plus `compare_domains.png` when matplotlib is
+installed). See docs/evaluation.md.
+"""
+
+from pathlib import Path
+from typing import Optional
+
+from olmo_eqx.config import Config
+from olmo_eqx.evaluation.settings import CompareSettings
+
+
+class Compare:
+    """Parity report of two models: held-out loss, downstream accuracy, per-domain perplexity, KL."""
+
+    description = "Parity report of checkpoint.load vs stage.against: held-out loss, tasks, per-domain ppl, KL"
+    config_class = CompareSettings
+
+    def run(self, config: Config, run_dir: Path) -> Optional[dict]:
+        from olmo_eqx.evaluation.load import EvalError
+        from olmo_eqx.evaluation.run import run_compare
+        from olmo_eqx.stages import StageError
+
+        try:
+            return run_compare(config, run_dir)
+        except EvalError as e:
+            raise StageError(str(e)) from e
