@@ -85,7 +85,7 @@ def _own_checkpoint(config: Config, run_dir: Path):
 def _stored_model_config(location):
     from olmo_eqx.checkpoint import Checkpointer
 
-    with Checkpointer(location.directory, keep_last=None, async_save=False) as checkpointer:
+    with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
         return checkpointer.stored_model_config(location.step)
 
 
@@ -166,7 +166,7 @@ def _init_from_checkpoint(location, keep_optimizer: bool, config: Config, mesh, 
 
     what = "weights and optimiser state" if keep_optimizer else "weights (fresh optimiser)"
     _print(f"anneal: starting from {location} ({what})")
-    with Checkpointer(location.directory, keep_last=None, async_save=False) as checkpointer:
+    with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
         try:
             if keep_optimizer:
                 target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)

@@ -128,7 +128,7 @@ def _common_model_config(locations):
 
     configs = []
     for location in locations:
-        with Checkpointer(location.directory, keep_last=None, async_save=False) as checkpointer:
+        with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
             configs.append(checkpointer.stored_model_config(location.step))
     for location, config in zip(locations[1:], configs[1:]):
         try:
@@ -173,7 +173,7 @@ def average_checkpoints(locations, weights, model_config, mesh, rules):
     )
     total = None
     for location, weight in zip(locations, weights):
-        with Checkpointer(location.directory, keep_last=None, async_save=False) as checkpointer:
+        with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
             model = checkpointer.restore_model(location.step, target=target)
         w = jnp.float32(weight)
         total = first(model, w) if total is None else add(total, model, w)

@@ -14,10 +14,11 @@ and then returns a `gap_alarm` record (the loop writes it to metrics.jsonl) and 
 a loud message to stderr. After firing it needs a fresh window before it fires again.
 """
 
+import io
 import math
 import sys
 from dataclasses import dataclass
-from typing import Optional, TextIO
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def message(record: dict) -> str:
         f"{bar}\n"
         f"GENERALISATION-GAP ALARM at step {record['step']}: over steps {a['from_step']}-{a['to_step']} training loss "
         f"fell {a['train_loss_drop']:.4f} ({a['train_loss'][0]:.4f} -> {a['train_loss'][-1]:.4f}) while held-out loss "
-        f"{'fell only' if a['heldout_loss_drop'] > 0 else 'changed'} {a['heldout_loss_drop']:+.4f} "
+        f"{'fell only' if a['heldout_loss_drop'] > 0 else 'rose'} {abs(a['heldout_loss_drop']):.4f} "
         f"({a['heldout_loss'][0]:.4f} -> {a['heldout_loss'][-1]:.4f}).\n"
         "The model may be memorising repeated data: check that the training data does not repeat (a loader that\n"
         "re-shards an already sharded index stream, a mix far smaller than the run, a resume replaying seen data).\n"
@@ -93,6 +94,6 @@ def message(record: dict) -> str:
     )
 
 
-def warn(record: dict, file: TextIO = sys.stderr) -> None:
-    """Print the alarm loudly (stderr by default)."""
-    print(message(record), file=file, flush=True)
+def warn(record: dict, file: Optional[io.TextIOBase] = None) -> None:
+    """Print the alarm loudly (to stderr unless `file` is given)."""
+    print(message(record), file=sys.stderr if file is None else file, flush=True)
