@@ -18,6 +18,7 @@ resumes the same way: once its own checkpoint dir holds a checkpoint, that wins 
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -207,7 +208,12 @@ def _init_from_hf(location, config: Config, mesh, rules):
 
 
 def fresh_state(model, optim_config, mesh, rules):
-    """A train state around `model` (already sharded): fresh optimiser, step 0, laid out on `mesh`."""
+    """A train state around `model` (already sharded, donated): fresh optimiser, step 0, laid out on `mesh`."""
+    return _fresh_state_function(model.config, optim_config, mesh, rules)(model)
+
+
+@functools.lru_cache(maxsize=4)
+def _fresh_state_function(model_config, optim_config, mesh, rules):
     import jax
 
     from olmo_eqx.sharding import train_state_shardings
@@ -215,11 +221,10 @@ def fresh_state(model, optim_config, mesh, rules):
     from olmo_eqx.train.state import abstract_train_state, new_train_state
 
     optimizer = make_optimizer(optim_config)
-    shardings = train_state_shardings(abstract_train_state(model.config, optim_config), mesh, rules)
-    build = jax.jit(
+    shardings = train_state_shardings(abstract_train_state(model_config, optim_config), mesh, rules)
+    return jax.jit(
         lambda m: new_train_state(m, optimizer, optim_config.skip_step_window), out_shardings=shardings, donate_argnums=0
     )
-    return build(model)
 
 
 def _restart(state, mesh):

@@ -13,6 +13,7 @@ optimiser state (zero Adam moments, step 0): an anneal from it starts its optimi
 """
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,25 +145,41 @@ def _common_model_config(locations):
 def average_checkpoints(locations, weights, model_config, mesh, rules):
     """sum_i w_i * model_i / sum_i w_i, restoring one checkpoint at a time into its shards and
     accumulating in float32; the result has the model's parameter dtype and shardings."""
-    import jax
     import jax.numpy as jnp
 
     from olmo_eqx.checkpoint import Checkpointer
+
+    target, first, add, finish = _averaging_functions(model_config, mesh, rules)
+    total = None
+    for location, weight in zip(locations, weights):
+        with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
+            model = checkpointer.restore_model(location.step, target=target)
+        w = jnp.float32(weight)
+        total = first(model, w) if total is None else add(total, model, w)
+        del model  # freed before the next restore
+    return finish(total, jnp.float32(sum(weights)))
+
+
+@functools.lru_cache(maxsize=4)
+def _averaging_functions(model_config, mesh, rules):
+    """(restore target, first, add, finish), compiled once per model config and mesh."""
+    import jax
+    import jax.numpy as jnp
+
     from olmo_eqx.models.olmo3 import abstract_model
     from olmo_eqx.sharding import model_shardings
 
     abstract = abstract_model(model_config)
     shardings = model_shardings(abstract, mesh, rules)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-    # The sum is donated (updated in place); each restored copy is dropped right after its add.
-    add = jax.jit(
-        lambda total, model, w: jax.tree.map(lambda t, x: t + w * x.astype(jnp.float32), total, model),
+    first = jax.jit(
+        lambda model, w: jax.tree.map(lambda x: w * x.astype(jnp.float32), model),
         donate_argnums=0,
         out_shardings=shardings,
     )
-    first = jax.jit(
-        lambda model, w: jax.tree.map(lambda x: w * x.astype(jnp.float32), model),
+    # The sum is donated (updated in place); each restored copy is dropped right after its add.
+    add = jax.jit(
+        lambda total, model, w: jax.tree.map(lambda t, x: t + w * x.astype(jnp.float32), total, model),
         donate_argnums=0,
         out_shardings=shardings,
     )
@@ -171,11 +188,4 @@ def average_checkpoints(locations, weights, model_config, mesh, rules):
         donate_argnums=0,
         out_shardings=shardings,
     )
-    total = None
-    for location, weight in zip(locations, weights):
-        with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
-            model = checkpointer.restore_model(location.step, target=target)
-        w = jnp.float32(weight)
-        total = first(model, w) if total is None else add(total, model, w)
-        del model
-    return finish(total, jnp.float32(sum(weights)))
+    return target, first, add, finish
