@@ -42,7 +42,7 @@ def main():
                   f"{ours.grad_norms[i]:11.5f} {ref.grad_norms[i]:13.5f} {dg:9.2e}")
         print(f"{stage.name}: max relative loss difference {result.max_relative(stage.name, 'losses'):.2e}, "
               f"grad norm {result.max_relative(stage.name, 'grad_norms'):.2e}")
-    worst = max(result.weight_differences().items(), key=lambda kv: kv[1])
+    worst = max(result.weight_differences(stages[-1].name).items(), key=lambda kv: kv[1])
     print(f"final weights: worst relative difference {worst[1]:.2e} ({worst[0]})")
     try:
         import matplotlib

@@ -1,10 +1,15 @@
-"""Training trajectories: olmo_eqx's train step against the PyTorch reference loop, float32.
+"""Training trajectories: olmo_eqx's train step against the PyTorch reference loop, in float32.
 
-30 steps of stage 1 (warmup + cosine) then 10 of stage 2 (linear decay to 0), same initial
-weights, same batches from our sampler, same recipe. What holds today, and is asserted:
-per-step training loss within 1e-4 (relative) through stage 1 and grad norm within 1e-4 over
-its first steps. Beyond that the two runs drift apart by float32 rounding amplified by Adam
-(see the closing note of the trajectory issue); a recipe change on one side is far larger.
+30 steps of stage 1 (warmup + cosine), then 10 of stage 2 (linear decay to exactly 0) from the
+stage-1 weights and optimiser state; same initial weights (exported with `save_hf`), same
+batches from our sampler on the embedded corpus, the same recipe written twice.
+
+Bounds: per-step loss and grad norm within 1e-4 relative at every step of both stages; final
+weights within FINAL_WEIGHTS_RTOL per tensor. Measured on olmo3_tiny (MHA and GQA): loss <= 4e-7,
+grad norm <= 6e-5, weights <= 6.1e-5 (the embedding). Peak learning rates are 1e-3 / 6e-4: at
+3e-3 this tiny model trains at the edge of stability, where even two of *our own* attention
+implementations (XLA vs the plain reference) drift apart by 2e-4 in grad norm through float32
+rounding alone, so no bound on a reference comparison would mean anything there.
 """
 
 import numpy as np
@@ -12,12 +17,13 @@ import pytest
 
 from trajectory_harness import STAGE1, STAGE2, run_both
 
-EARLY_STEPS = 8
+STEP_RTOL = 1e-4
+FINAL_WEIGHTS_RTOL = 2e-4  # measured worst 6.1e-5
 
 
 @pytest.fixture(scope="module", params=["olmo3_tiny", "olmo3_tiny_gqa"])
 def comparison(request, tmp_path_factory):
-    return run_both(tmp_path_factory.mktemp(request.param), model_name=request.param)
+    return request.param, run_both(tmp_path_factory.mktemp(request.param), model_name=request.param)
 
 
 def _relative(ours, reference) -> np.ndarray:
@@ -26,43 +32,38 @@ def _relative(ours, reference) -> np.ndarray:
 
 
 def test_both_sides_learn_and_follow_the_same_schedule(comparison):
+    _, result = comparison
     for stage in (STAGE1, STAGE2):
-        ours, ref = comparison.ours[stage.name], comparison.torch[stage.name]
+        ours, ref = result.ours[stage.name], result.torch[stage.name]
         assert len(ours.losses) == len(ref.losses) == stage.steps
         np.testing.assert_allclose(ours.lrs, ref.lrs, rtol=1e-6, atol=1e-12)
-    assert comparison.ours[STAGE2.name].lrs[-1] == 0.0
-    assert comparison.ours[STAGE1.name].losses[-1] < comparison.ours[STAGE1.name].losses[0] - 1.0
+    assert result.ours[STAGE2.name].lrs[-1] == 0.0
+    assert result.ours[STAGE1.name].losses[-1] < result.ours[STAGE1.name].losses[0] - 1.0
 
 
-def test_stage1_loss_matches_reference_at_every_step(comparison):
-    diff = _relative(comparison.ours[STAGE1.name].losses, comparison.torch[STAGE1.name].losses)
-    print(f"stage 1 max relative loss difference {diff.max():.2e}")
-    assert diff.max() <= 1e-4
+@pytest.mark.parametrize("stage", [STAGE1, STAGE2], ids=lambda s: s.name)
+@pytest.mark.parametrize("metric", ["losses", "grad_norms"])
+def test_every_step_matches_reference(comparison, stage, metric):
+    name, result = comparison
+    diff = _relative(getattr(result.ours[stage.name], metric), getattr(result.torch[stage.name], metric))
+    print(f"{name} {stage.name}: max relative {metric} difference {diff.max():.2e} (step {diff.argmax()})")
+    assert diff.max() <= STEP_RTOL
 
 
-def test_stage1_early_grad_norms_match_reference(comparison):
-    ours, ref = comparison.ours[STAGE1.name], comparison.torch[STAGE1.name]
-    diff = _relative(ours.grad_norms[:EARLY_STEPS], ref.grad_norms[:EARLY_STEPS])
-    print(f"stage 1 max relative grad-norm difference, first {EARLY_STEPS} steps: {diff.max():.2e}")
-    assert diff.max() <= 1e-4
+def test_final_weights_match_reference(comparison):
+    name, result = comparison
+    differences = result.weight_differences(STAGE2.name)
+    worst = max(differences, key=differences.get)
+    print(f"{name}: worst final weight difference {differences[worst]:.2e} ({worst})")
+    assert differences[worst] <= FINAL_WEIGHTS_RTOL
 
 
 def test_a_one_sided_recipe_change_breaks_parity(comparison, tmp_path):
-    """Decaying the embedding on the reference side only is caught by the stage-1 loss bound."""
-    ours = comparison.ours
-    broken = run_both(
-        tmp_path,
-        stages=(STAGE1,),
-        torch_decays_embedding=True,
-        our_result=({STAGE1.name: ours[STAGE1.name]}, comparison.our_weights),
-        model_name=_model_name(comparison),
-    )
-    diff = _relative(ours[STAGE1.name].losses, broken.torch[STAGE1.name].losses)
-    print(f"embedding decayed on one side: stage 1 max relative loss difference {diff.max():.2e}")
-    assert diff.max() > 1e-4
-
-
-def _model_name(comparison) -> str:
-    n_kv = comparison.torch_weights["model.layers.0.self_attn.k_proj.weight"].shape[0]
-    n_q = comparison.torch_weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
-    return "olmo3_tiny" if n_kv == n_q else "olmo3_tiny_gqa"
+    """Decaying the embedding on the reference side only must fail the bounds above."""
+    name, result = comparison
+    broken = run_both(tmp_path, model_name=name, stages=(STAGE1,), torch_decays_embedding=True,
+                      our_result={STAGE1.name: result.ours[STAGE1.name]})
+    loss_diff = _relative(result.ours[STAGE1.name].losses, broken.torch[STAGE1.name].losses).max()
+    embedding_diff = broken.weight_differences(STAGE1.name)["model.embed_tokens.weight"]
+    print(f"{name}, embedding decayed on one side: loss {loss_diff:.2e}, embedding weights {embedding_diff:.2e}")
+    assert embedding_diff > 5 * FINAL_WEIGHTS_RTOL

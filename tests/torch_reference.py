@@ -83,7 +83,11 @@ def train_torch(
     groups = [{"params": others, "weight_decay": first.weight_decay},
               {"params": [embedding], "weight_decay": first.weight_decay if first.decay_embedding else 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=first.peak_lr, betas=first.betas, eps=first.eps)
-    return [_train_stage(model, optimizer, recipe, batches) for recipe, batches in stages]
+    trajectories = []
+    for recipe, batches in stages:
+        trajectories.append(_train_stage(model, optimizer, recipe, batches))
+        trajectories[-1].state_dict = {name: p.detach().numpy().copy() for name, p in model.state_dict().items()}
+    return trajectories
 
 
 def _train_stage(model, optimizer, recipe: TorchRecipe, batches) -> TorchTrajectory:
@@ -101,5 +105,4 @@ def _train_stage(model, optimizer, recipe: TorchRecipe, batches) -> TorchTraject
         out.losses.append(ce.item())
         out.grad_norms.append(grad_norm.item())
         out.lrs.append(lr)
-    out.state_dict = {name: p.detach().numpy().copy() for name, p in model.state_dict().items()}
     return out

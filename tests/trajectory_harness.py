@@ -35,8 +35,8 @@ class Stage:
     data_seed: int
 
 
-STAGE1 = Stage("pretrain", steps=30, peak_lr=3e-3, schedule="cosine", warmup_steps=5, data_seed=34521)
-STAGE2 = Stage("anneal", steps=10, peak_lr=2e-3, schedule="linear", warmup_steps=0, data_seed=1337)
+STAGE1 = Stage("pretrain", steps=30, peak_lr=1e-3, schedule="cosine", warmup_steps=5, data_seed=34521)
+STAGE2 = Stage("anneal", steps=10, peak_lr=6e-4, schedule="linear", warmup_steps=0, data_seed=1337)
 
 
 @dataclass
@@ -44,24 +44,25 @@ class Side:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    weights: dict[str, np.ndarray] = field(default_factory=dict)  # HF names, at the end of the stage
 
 
 @dataclass
 class Comparison:
     ours: dict[str, Side]
     torch: dict[str, Side]
-    our_weights: dict[str, np.ndarray]
-    torch_weights: dict[str, np.ndarray]
 
     def max_relative(self, stage: str, metric: str) -> float:
         a = np.asarray(getattr(self.ours[stage], metric))
         b = np.asarray(getattr(self.torch[stage], metric))
         return float(np.max(np.abs(a - b) / np.abs(b)))
 
-    def weight_differences(self) -> dict[str, float]:
+    def weight_differences(self, stage: str) -> dict[str, float]:
+        """Per tensor ||w_ours - w_torch|| / ||w_torch|| at the end of `stage`."""
+        ours = self.ours[stage].weights
         return {
-            name: float(np.linalg.norm(self.our_weights[name] - w) / np.linalg.norm(w))
-            for name, w in self.torch_weights.items()
+            name: float(np.linalg.norm(ours[name] - w) / np.linalg.norm(w))
+            for name, w in self.torch[stage].weights.items()
         }
 
 
@@ -90,6 +91,7 @@ def _train_ours(state: TrainState, stage: Stage, optim: OptimConfig, batches) ->
         side.losses.append(float(metrics["loss"]))
         side.grad_norms.append(float(metrics["grad_norm"]))
         side.lrs.append(float(metrics["lr"]))
+    side.weights = {name: np.asarray(w) for name, w in hf_state_dict(state.model).items()}
     return state, side
 
 
@@ -101,7 +103,7 @@ def run_both(
     stages: tuple[Stage, ...] = (STAGE1, STAGE2),
     torch_decays_embedding: bool = False,
     seed: int = 0,
-    our_result: Optional[tuple[dict[str, Side], dict[str, np.ndarray]]] = None,
+    our_result: Optional[dict[str, Side]] = None,
 ) -> Comparison:
     """Train both sides through `stages`; `our_result` reuses an earlier run of our side."""
     # Skip-step is off on both sides: the reference has none, and it must not fire on one only.
@@ -114,15 +116,13 @@ def run_both(
     results = train_torch(
         model_dir, [(_recipe(stage, optim, torch_decays_embedding), batches[stage.name]) for stage in stages]
     )
-    torch_sides = {stage.name: Side(r.losses, r.grad_norms, r.lrs) for stage, r in zip(stages, results)}
-    torch_weights = results[-1].state_dict
+    torch_sides = {stage.name: Side(r.losses, r.grad_norms, r.lrs, r.state_dict) for stage, r in zip(stages, results)}
 
     if our_result is None:
         our_sides = {}
         state = new_train_state(model, make_optimizer(optim), optim.skip_step_window)
         for stage in stages:
             state, our_sides[stage.name] = _train_ours(state, stage, optim, batches[stage.name])
-        our_weights = {name: np.asarray(w) for name, w in hf_state_dict(state.model).items()}
     else:
-        our_sides, our_weights = our_result
-    return Comparison(our_sides, torch_sides, our_weights, torch_weights)
+        our_sides = our_result
+    return Comparison(our_sides, torch_sides)
