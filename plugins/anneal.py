@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from olmo_eqx.config import Config
+from olmo_eqx.config import Config, build
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Anneal:
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
         from olmo_eqx.train.loop import train  # jax is imported only when a stage runs
 
-        settings = config.stage if isinstance(config.stage, AnnealSettings) else AnnealSettings(**(config.stage or {}))
+        settings = config.stage if isinstance(config.stage, AnnealSettings) else build(AnnealSettings, config.stage or {}, "stage")
         run_dir = Path(run_dir).resolve()
         config = dataclasses.replace(config, stage=settings)
         own = _own_checkpoint(config, run_dir)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from olmo_eqx.config import Config
+from olmo_eqx.config import Config, build
 
 SOUP_STEP = 0
 
@@ -61,7 +61,7 @@ class Soup:
         from olmo_eqx_plugins.anneal import fresh_state
 
         maybe_initialize_distributed()
-        settings = config.stage if isinstance(config.stage, SoupSettings) else SoupSettings(**(config.stage or {}))
+        settings = config.stage if isinstance(config.stage, SoupSettings) else build(SoupSettings, config.stage or {}, "stage")
         if not settings.checkpoints:
             raise StageError("soup needs the checkpoints to average: stage.checkpoints=[PATH,PATH,...]")
         run_dir = Path(run_dir).resolve()
