@@ -12,7 +12,8 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import jax
 import numpy as np
@@ -306,7 +307,7 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
         name_a, name_b = a.name, b.name
         md = [f"# Parity report: A = {name_a}, B = {name_b}", "",
               f"A: `{a.source.path}` ({a.source.kind})  ", f"B: `{b.source.path}` ({b.source.kind})  ",
-              "Differences are A - B. KL is KL(A || B) per held-out target token, in nats.", ""]
+              "Differences are A - B. KL(A‖B) = sum_v p_A(v) (log p_A(v) - log p_B(v)), averaged over held-out target tokens (nats).", ""]
         overview = []
         if surfaces["heldout_loss"]:
             h = surfaces["heldout_loss"]
@@ -317,11 +318,11 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
         for r in domains:
             overview.append([f"perplexity ({r['set']})", r["perplexity_a"], r["perplexity_b"], r["perplexity_diff"]])
         if domains:
-            overview.append(["KL(A || B) (mean over sets)", surfaces["kl"]["mean"], None, None])
+            overview.append(["KL(A‖B) (mean over sets)", surfaces["kl"]["mean"], None, None])
         sections = [("Four surfaces", table(["surface", "A", "B", "A - B"], overview))]
         if domains:
             sections.append(("Held-out sets (domains)", table(
-                ["set", "tokens", "loss A", "loss B", "A - B", "ppl A", "ppl B", "bpb A", "bpb B", "KL(A||B)"],
+                ["set", "tokens", "loss A", "loss B", "A - B", "ppl A", "ppl B", "bpb A", "bpb B", "KL(A‖B)"],
                 [[r["set"], r["tokens"], r["loss_a"], r["loss_b"], r["loss_diff"], r["perplexity_a"],
                   r["perplexity_b"], r["bpb_a"], r["bpb_b"], r["kl"]] for r in domains])))
         if tasks_rows:
