@@ -49,9 +49,10 @@ def plot_domain_differences(rows: list[dict], name_a: str, name_b: str, path: Pa
     figure, (left, right) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(names) + 3), 4))
     left.bar(names, [r["loss_diff"] for r in rows], color="tab:blue")
     left.axhline(0, color="black", linewidth=0.8)
-    left.set_title(f"held-out loss: {name_a} - {name_b} (nats/token)")
+    left.set_title("held-out loss, A - B (nats/token)", fontsize=10)
     right.bar(names, [r["kl"] for r in rows], color="tab:orange")
-    right.set_title(f"KL({name_a} || {name_b}) (nats/token)")
+    right.set_title("KL(A || B) (nats/token)", fontsize=10)
+    figure.suptitle(f"A = {name_a}, B = {name_b}", fontsize=10)
     for axis in (left, right):
         axis.tick_params(axis="x", labelrotation=20)
     figure.tight_layout()
