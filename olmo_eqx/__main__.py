@@ -13,6 +13,7 @@ reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the en
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +46,37 @@ def list_stages() -> None:
 
 
 def run_job_in_subprocess(hydra_config, run_dir: Path) -> Optional[dict]:
-    """Run this sweep job as a single run in a fresh process; return its summary."""
+    """Run this sweep job as a single run in a fresh process; return its summary.
+
+    The child gets its own session, so a Ctrl-C at the terminal reaches only this process,
+    which forwards it once: the child saves a checkpoint and exits, then the sweep stops.
+    Rerunning the sweep with the same `hydra.sweep.dir` resumes every job.
+    """
     command = [sys.executable, "-m", "olmo_eqx", *hydra_config.overrides.task, f"hydra.run.dir={run_dir}"]
     print(f"[sweep] job {hydra_config.job.num}: {' '.join(hydra_config.overrides.task)} -> {run_dir}", flush=True)
-    result = subprocess.run(command, env=os.environ.copy())
-    if result.returncode != 0:
-        raise StageError(f"sweep job {hydra_config.job.num} exited with status {result.returncode}; see {run_dir}")
+    child = subprocess.Popen(command, env=os.environ.copy(), start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        if not received:
+            child.send_signal(signum)
+        received.append(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        returncode = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        print(
+            f"[sweep] interrupted during job {hydra_config.job.num} (exit status {returncode}); "
+            f"rerun with hydra.sweep.dir={Path(hydra_config.sweep.dir).resolve()} to resume",
+            file=sys.stderr,
+        )
+        sys.exit(128 + received[0])  # stop the whole sweep: no further jobs start
+    if returncode != 0:
+        raise StageError(f"sweep job {hydra_config.job.num} exited with status {returncode}; see {run_dir}")
     summary = run_dir / SUMMARY_FILE
     return json.loads(summary.read_text()) if summary.exists() else None
 
