@@ -1,8 +1,9 @@
 """`python -m olmo_eqx +stage=NAME [overrides]`: compose the config, find the stage, run it.
 
 Without a stage it lists the installed stages and exits 0. A config that does not check out
-(unknown key, wrong type, invalid value) stops here with exit status 2 and one line naming the
-key, before any stage code runs.
+stops before any stage code runs, with a message naming the key: Hydra itself refuses
+unknown keys and wrong types (exit status 1), the library's dataclasses invalid values and
+the stage its own bad input (exit status 2, one line).
 
 In a sweep (`-m`), Hydra's default launcher would run every job in this one process, carrying
 JAX's state and device memory from job to job. So each job re-runs this command, with its own
