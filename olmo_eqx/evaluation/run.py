@@ -228,6 +228,8 @@ def run_eval(config: Config, run_dir: Path, settings: Optional[EvalSettings] = N
         summary = {
             "model": subject.name,
             "heldout_loss": results["heldout"][0]["loss"] if results["heldout"] else None,
+            # The key a sweep's table reads (`-m +stage=eval checkpoint.load=a,b` compares runs).
+            "final_heldout_loss": results["heldout"][0]["loss"] if results["heldout"] else None,
             "heldout": {r["set"]: r["loss"] for r in results["heldout"]},
             "downstream": {r["task"]: gold_accuracy(r) for r in results["downstream"]},
             "requests_per_s": results["throughput"]["requests_per_s"],
