@@ -10,8 +10,8 @@ together, so a rerun with the same output directory continues bit for bit. SIGTE
 finish the step in flight, save a checkpoint and return normally (exit status 0).
 
 In multi-process runs every process runs this loop; only process 0 prints and writes the
-run directory's files (metrics.jsonl, config.json, summary.json). Orbax coordinates the
-checkpoint writes itself.
+run directory's files (config.json, metrics.jsonl, train.log, summary.json). Orbax
+coordinates the checkpoint writes itself.
 """
 
 import json
@@ -276,23 +276,39 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init) ->
         state, loader_state, start_step = _restore_or_init(config, checkpointer, mesh, rules, init_state)
         if loader_state is not None:
             log.print(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step})")
-        loader = DataLoader(
-            dataset,
-            data.global_batch_size,
-            data.seed,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-            state=loader_state,
-        )
+        try:
+            loader = DataLoader(
+                dataset,
+                data.global_batch_size,
+                data.seed,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+                state=loader_state,
+            )
+        except DataFileError as e:  # e.g. another dataset, seed or batch size than the checkpoint's
+            raise StageError(str(e)) from e
         if loader.step != start_step:
             raise StageError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
-        return _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, schedule, checkpointer, log, started)
+        return _run(
+            config,
+            run_dir,
+            state=state,
+            start_step=start_step,
+            loader=loader,
+            heldout=heldout,
+            mesh=mesh,
+            rules=rules,
+            schedule=schedule,
+            checkpointer=checkpointer,
+            log=log,
+            started=started,
+        )
     finally:
         checkpointer.close()  # waits for saves in flight
         log.close()
 
 
-def _run(config, run_dir, state, start_step, loader, heldout, mesh, rules, schedule, checkpointer, log, started) -> dict:
+def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, schedule, checkpointer, log, started) -> dict:
     """The loop proper, from `start_step` to `trainer.stop_at or trainer.steps`."""
     trainer, data = config.trainer, config.data
     sharding = batch_sharding(mesh, rules)
