@@ -37,15 +37,15 @@ def test_fires_when_training_falls_and_heldout_is_flat():
     first = fired[0]
     assert first["step"] == 40  # the first full window (4 evaluations)
     gap = first["gap_alarm"]
-    assert gap["train_loss_drop"] > 0.2 and abs(gap["heldout_loss_drop"]) < 0.05
-    assert gap["steps"] == [10, 20, 30, 40] and len(gap["train_loss"]) == len(gap["heldout_loss"]) == 4
+    assert gap["train_drop"] > 0.2 and abs(gap["heldout_drop"]) < 0.05
+    assert gap["steps"] == [10, 20, 30, 40] and len(gap["train"]) == len(gap["heldout"]) == 4
     # After firing it needs a fresh window: at most every (window - 1) evaluations.
     assert np.all(np.diff([r["step"] for r in fired]) >= 30)
 
 
 def test_fires_when_heldout_rises():
     fired = feed(GapAlarm(), np.linspace(4.0, 3.0, 6), np.linspace(5.0, 5.3, 6))
-    assert fired and fired[0]["gap_alarm"]["heldout_loss_drop"] < 0
+    assert fired and fired[0]["gap_alarm"]["heldout_drop"] < 0
 
 
 @pytest.mark.parametrize(
@@ -118,5 +118,5 @@ def test_loop_alarms_on_a_planted_repeating_stream(tmp_path, capsys):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     alarms = [r for r in records if "gap_alarm" in r]
     assert alarms, [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
-    assert alarms[0]["gap_alarm"]["train_loss_drop"] > 0.5
+    assert alarms[0]["gap_alarm"]["train_drop"] > 0.5
     assert "GENERALISATION-GAP ALARM" in capsys.readouterr().err
