@@ -170,7 +170,9 @@ def _init_from_checkpoint(location, keep_optimizer: bool, config: Config, mesh, 
     with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
         try:
             if keep_optimizer:
-                target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+                # The skip-step ring buffers are restored at their stored length (then reset).
+                stored = dataclasses.replace(config.optim, skip_step_window=_stored_window(location, config.optim))
+                target = sharded_abstract_train_state(config.model, stored, mesh, rules)
                 try:
                     state = checkpointer.restore(location.step, target=target).state
                 except CheckpointMismatchError:
@@ -180,7 +182,7 @@ def _init_from_checkpoint(location, keep_optimizer: bool, config: Config, mesh, 
                         f"cannot restore the optimiser state of {location} under this optim config ({e}); "
                         "use stage.optimizer=reset to start a fresh one"
                     ) from e
-                return _restart(state, mesh)
+                return _restart(state, config.optim.skip_step_window, mesh)
             abstract = abstract_model(config.model)
             target = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -227,19 +229,31 @@ def _fresh_state_function(model_config, optim_config, mesh, rules):
     )
 
 
-def _restart(state, mesh):
-    """Step 0 and empty skip-step statistics (the new mix has its own loss level); weights and
-    Adam state (with its bias-correction count) unchanged."""
+def _stored_window(location, optim_config) -> int:
+    """The skip-step window of the run that wrote the checkpoint (its config, saved beside the
+    arrays as Orbax JSON); the configured one when the checkpoint doesn't say."""
+    import json
+
+    try:
+        stored = json.loads((location.directory / str(location.step) / "config" / "metadata").read_text())
+        return int(stored["optim"]["skip_step_window"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return optim_config.skip_step_window
+
+
+def _restart(state, window: int, mesh):
+    """Step 0 and empty skip-step statistics of `window` slots (the new mix has its own loss
+    level); weights and Adam state (with its bias-correction count) unchanged."""
     import jax
     import numpy as np
 
     from olmo_eqx.sharding import replicated
 
-    zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), replicated(mesh))  # noqa: E731
+    put = lambda a: jax.device_put(a, replicated(mesh))  # noqa: E731
+    window = max(int(window), 1)
     return state.replace(
-        step=zeros(state.step),
-        loss_history=zeros(state.loss_history),
-        grad_norm_history=zeros(state.grad_norm_history),
-        history_count=zeros(state.history_count),
+        step=put(np.zeros((), np.int32)),
+        loss_history=put(np.zeros((window,), np.float32)),
+        grad_norm_history=put(np.zeros((window,), np.float32)),
+        history_count=put(np.zeros((), np.int32)),
     )
-
