@@ -10,7 +10,8 @@ prediction is the choice with the highest
 (ties go to the lowest choice index, as numpy's argmax). `bpb` is the gold continuation's
 bits per byte, -log2 p(gold) / UTF-8 bytes, averaged over questions. Ranked classification
 (RC) and multiple choice (MC, continuations " A", " B", ...) are scored the same way; they
-differ in what the requests ask.
+differ in what the requests ask. Tasks with one request per doc (OLMES's `gold_bpb_*` and
+`bpb_*` regimes: the gold answer only) get bits per byte and no accuracy (format "bpb").
 """
 
 import math
@@ -71,7 +72,10 @@ def task_metrics(requests: list[Request], scores: RequestScores) -> dict:
         choices = [requests[i].choice for i in rows]
         if choices != list(range(len(rows))):
             raise ValueError(f"doc {doc_id}: choices {choices} are not 0..{len(rows) - 1}")
-        gold = requests[rows[0]].gold
+        # A one-request doc (OLMES's gold_bpb / bpb tasks) is its own gold, whatever its label says.
+        gold = requests[rows[0]].gold if len(rows) > 1 else 0
+        if not 0 <= gold < len(rows):
+            raise ValueError(f"doc {doc_id}: gold choice {gold} is not one of its {len(rows)} choices")
         ll = scores.logprob[rows]
         per_token = ll / np.maximum(scores.n_tokens[rows], 1)
         per_char = ll / np.array([max(len(requests[i].continuation), 1) for i in rows])
@@ -95,7 +99,8 @@ def evaluate_task(
     requests = list(task.requests)
     scores, truncated = score_requests(scorer, model, tokenizer, requests, batch_size, max_length)
     seconds = time.perf_counter() - started
-    row = {"task": task.name, "format": task.format, **task_metrics(requests, scores),
+    metrics = task_metrics(requests, scores)
+    row = {"task": task.name, "format": task.format if metrics["acc"] is not None else "bpb", **metrics,
            "truncated": truncated, "seconds": seconds, "requests_per_s": len(requests) / seconds,
            "primary_metric": task.primary_metric}
     return row, scores

@@ -58,11 +58,13 @@ def resolve_model_source(path: str) -> ModelSource:
 
 
 def _read_json_item(step_dir: Path, item: str) -> Optional[dict]:
-    """A JSON item Orbax wrote into a step directory (`<item>/metadata`), or None."""
-    file = step_dir / item / "metadata"
-    if not file.is_file():
+    """A JSON item Orbax wrote into a step directory (read-only), or None when absent or empty."""
+    import orbax.checkpoint as ocp
+
+    if not (step_dir / item).is_dir():
         return None
-    data = json.loads(file.read_text())
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+        data = checkpointer.restore(step_dir / item)
     return data or None
 
 

@@ -90,7 +90,7 @@ def read_task(tasks_dir: Path, name: str, limit: Optional[int] = None) -> Task:
     with gzip.open(file, "rt", encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             row = json.loads(line)
-            if row.get("request_type", "loglikelihood") != "loglikelihood":
+            if "loglikelihood" not in row.get("request_type", "loglikelihood"):
                 continue
             doc_id = int(row["doc_id"])
             if doc_id >= UNCONDITIONAL_DOC_OFFSET:
@@ -102,11 +102,12 @@ def read_task(tasks_dir: Path, name: str, limit: Optional[int] = None) -> Task:
                     break
                 docs.append(doc_id)
             doc = row.get("doc", {})
-            gold = row.get("label", doc.get("gold"))
+            # The gold choice: the row's label, else doc["gold"]; bpb tasks label with text (0 then).
+            gold = next((g for g in (row.get("label"), doc.get("gold")) if isinstance(g, int)), 0)
             try:
                 request = row["request"]
                 requests.append(
-                    Request(doc_id, int(row.get("idx", 0)), int(gold if gold is not None else 0),
+                    Request(doc_id, int(row.get("idx", 0)), int(gold),
                             request["context"], request["continuation"])
                 )
             except (KeyError, TypeError, ValueError) as e:
