@@ -2,15 +2,16 @@
 interruption by SIGTERM, a refused mismatched checkpoint, and a two-job sweep."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-import os
-
+import jax
 import pytest
+from jax._src import compilation_cache as jax_compilation_cache
 
 from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
@@ -18,6 +19,24 @@ from olmo_eqx.stages import StageError
 from olmo_eqx.train.loop import train
 
 from clihelp import TINY, olmo_eqx
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """The in-process runs here compile the same programs again and again (every run builds
+    its own jitted step): share them through JAX's persistent cache, then restore the config."""
+    settings = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache_in_process")),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    saved = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_compilation_cache.reset_cache()  # forget the cache object bound to the directory above
 
 
 @pytest.fixture(scope="module")
