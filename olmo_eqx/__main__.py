@@ -111,6 +111,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
 
 def main() -> None:
     register_configs()
+    if len(sys.argv) == 1:
+        list_stages()  # directly: through Hydra, even a listing would create a run directory
+        return
     _hydra_main()
 
 
