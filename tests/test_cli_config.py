@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from olmo_eqx.config import Config, ConfigError, build, compose_config, schema_of
+from olmo_eqx.config import CONF_DIR, Config, ConfigError, build, compose_config, schema_of
 from olmo_eqx.models.zoo import get_model_config
 from olmo_eqx.train.optim import OptimConfig
 
@@ -71,3 +71,13 @@ def test_schema_mirrors_library_dataclasses():
     with pytest.raises(ConfigError, match="optim.lr"):
         build(OptimConfig, {"lr": "fast"}, "optim")
     assert isinstance(build(Config, {}), Config)
+
+
+@pytest.mark.parametrize(
+    "group", ["data", "optim", "schedule", "mesh", "checkpoint", "trainer", "model"]
+)
+def test_every_shipped_option_composes_with_the_defaults(group):
+    options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    assert options or group == "model"
+    for option in options:
+        compose_config(["+stage=pretrain", f"{group}={option}"])
