@@ -219,8 +219,11 @@ def embedded_corpus(cache_dir: str | os.PathLike | None = None) -> EmbeddedCorpu
             for stale in root.parent.glob(f".{root.name}.build-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
+            # Building takes 10-20 s once per machine: say so rather than look stuck.
+            print(f"building the embedded corpus (once) into {root} ...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
             try:
-                build_embedded_corpus(staging / "corpus")
+                manifest = build_embedded_corpus(staging / "corpus")
                 try:
                     os.rename(staging / "corpus", root)
                 except OSError:
@@ -229,6 +232,9 @@ def embedded_corpus(cache_dir: str | os.PathLike | None = None) -> EmbeddedCorpu
                         raise
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+            print(f"embedded corpus built in {time.perf_counter() - started:.1f} s: "
+                  f"{manifest['train']['tokens']:,} train tokens, {manifest['heldout']['tokens']:,} held-out tokens",
+                  file=sys.stderr, flush=True)
     return _load(root)
 
 
