@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.zoo import ZOO
 from olmo_eqx.sharding import MeshConfig
+from olmo_eqx.train.gap_alarm import GapAlarmConfig
 from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.schedules import ScheduleConfig
 
@@ -119,6 +120,8 @@ class TrainerConfig:
     # Stop after this step with a checkpoint, as a preemption would; the schedule still
     # spans `steps`, so a later run without it continues exactly where this one stopped.
     stop_at: Optional[int] = None
+    # When the generalisation-gap alarm fires (training loss falling, held-out loss not).
+    gap_alarm: GapAlarmConfig = GapAlarmConfig()
 
     def __post_init__(self):
         if self.steps < 1:

@@ -120,3 +120,12 @@ def test_loop_alarms_on_a_planted_repeating_stream(tmp_path, capsys):
     assert alarms, [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
     assert alarms[0]["gap_alarm"]["train_drop"] > 0.5
     assert "GENERALISATION-GAP ALARM" in capsys.readouterr().err
+
+
+def test_thresholds_are_config_keys():
+    from olmo_eqx.config import compose_config
+
+    config = compose_config(["trainer.gap_alarm.window=6", "trainer.gap_alarm.min_train_drop=0.1"])
+    assert (config.trainer.gap_alarm.window, config.trainer.gap_alarm.min_train_drop) == (6, 0.1)
+    with pytest.raises(Exception, match="window=1 must be >= 2"):
+        compose_config(["trainer.gap_alarm.window=1"])

@@ -344,7 +344,8 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
     recent_losses: list[float] = []
     last_heldout: Optional[float] = None
     last_heldout_sets: dict[str, float] = {}
-    gap_alarm = GapAlarm()  # training loss falling while held-out loss doesn't: data repeating?
+    # Training loss falling while held-out loss doesn't: is data repeating?
+    gap_alarm = GapAlarm(config.trainer.gap_alarm)
 
     def record(step: int, metrics: dict, boundary: bool) -> None:
         """Host side of step `step`: fetch and write its metrics; print at log steps."""
