@@ -13,7 +13,9 @@ Restoring onto another mesh or device count (8 -> 4 -> 1) goes through an abstra
 whose leaves carry the *new* shardings: `sharded_abstract_train_state(...)`.
 """
 
+import contextlib
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -96,6 +98,24 @@ def _train_part(state: TrainState) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _quiet_read_only_notices(read_only: bool):
+    """Drop Orbax's two warnings that merely restate `read_only=True` (noise in every eval run)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("CheckpointManagerOptions.read_only=True")
+                    or message.startswith("Given directory is read only"))
+
+    absl_logger = logging.getLogger("absl")
+    if read_only:
+        absl_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(keep)
+
+
 class Checkpointer:
     """Save and restore train states in `directory` (made absolute; created if missing).
 
@@ -119,17 +139,18 @@ class Checkpointer:
         self.read_only = read_only
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else Path(text).expanduser().resolve())
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep_last,
-            keep_period=keep_every,
-            enable_async_checkpointing=async_save,
-            create=not read_only,
-            read_only=read_only,
-            # The writer removes tmp dirs left by a run killed mid-save; a reader (eval, export)
-            # must not, or it would delete a live run's in-flight save.
-            cleanup_tmp_directories=not read_only,
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        with _quiet_read_only_notices(read_only):
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep_last,
+                keep_period=keep_every,
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                read_only=read_only,
+                # The writer removes tmp dirs left by a run killed mid-save; a reader (eval, export)
+                # must not, or it would delete a live run's in-flight save.
+                cleanup_tmp_directories=not read_only,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
     # -- queries -----------------------------------------------------------------------------
 
