@@ -31,16 +31,20 @@ def _target_logprobs(logits, targets):
     return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
 
 
-@eqx.filter_jit
-def _score(model, input_ids, targets, mask, out_sharding):
-    logits = model(input_ids)
+def _row_scores(logits, targets, mask) -> RowScores:
+    """Per row: summed log p of the masked targets, their count, and whether all are the argmax."""
     logprobs = _target_logprobs(logits, targets)
     greedy = jnp.argmax(logits, axis=-1) == targets
-    scores = RowScores(
+    return RowScores(
         logprob=jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1),
         count=jnp.sum(mask, axis=-1).astype(jnp.float32),
         greedy=jnp.all(greedy | ~mask, axis=-1),
     )
+
+
+@eqx.filter_jit
+def _score(model, input_ids, targets, mask, out_sharding):
+    scores = _row_scores(model(input_ids), targets, mask)
     return jax.lax.with_sharding_constraint(scores, out_sharding)
 
 
@@ -55,13 +59,7 @@ class ChoiceScores(NamedTuple):
 @eqx.filter_jit
 def _score_choices(model, input_ids, targets, mask, last_pos, last_targets, out_sharding):
     logits = model(input_ids)
-    logprobs = _target_logprobs(logits, targets)
-    greedy = jnp.argmax(logits, axis=-1) == targets
-    prefix = RowScores(
-        logprob=jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1),
-        count=jnp.sum(mask, axis=-1).astype(jnp.float32),
-        greedy=jnp.all(greedy | ~mask, axis=-1),
-    )
+    prefix = _row_scores(logits, targets, mask)
     last = jnp.take_along_axis(logits, last_pos[:, None, None], axis=1)[:, 0, :].astype(jnp.float32)  # [B, V]
     last_logprob = jnp.take_along_axis(last, last_targets, axis=-1) - jax.nn.logsumexp(last, axis=-1, keepdims=True)
     last_greedy = jnp.argmax(last, axis=-1)[:, None] == last_targets
