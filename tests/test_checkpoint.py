@@ -4,7 +4,6 @@ SIGKILL during a save, mismatched model refused, retention, HF export."""
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,8 @@ from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.schedules import ScheduleConfig, make_schedule
 from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_train_step
+
+from localcluster import launch_local_cluster
 
 TINY = ModelConfig(
     d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128,
@@ -244,22 +245,8 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 
 def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
     """Multi-controller run (2 processes x 2 CPU devices, gloo) -> checkpoint -> 1 device."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     directory = tmp_path / "ckpt"
-    procs = []
-    for i in range(2):
-        env = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": "2",
-            "JAX_PROCESS_ID": str(i),
-        }
-        command = [sys.executable, "-c", TWO_PROCESS_SCRIPT, str(directory), str(Path(__file__).parent)]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = launch_local_cluster([sys.executable, "-c", TWO_PROCESS_SCRIPT, str(directory), str(Path(__file__).parent)])
     outputs = [p.communicate(timeout=300) for p in procs]
     losses = []
     for p, (out, err) in zip(procs, outputs):

@@ -4,7 +4,6 @@ interruption by SIGTERM, a refused mismatched checkpoint, and a two-job sweep.""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from olmo_eqx.stages import StageError
 from olmo_eqx.train.loop import train
 
 from clihelp import TINY, olmo_eqx
+from localcluster import launch_local_cluster
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,20 +158,8 @@ def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path, one_dev
 def test_two_processes_train_like_one(uninterrupted, tmp_path):
     """jax.distributed on CPU (2 processes x 2 devices): each process reads its own rows once,
     so the losses match the single-process run; only process 0 writes the run files."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=4", "trainer.eval_every=0", f"hydra.run.dir={tmp_path}"]
-    processes = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": "2",
-            "JAX_PROCESS_ID": str(rank),
-        }
-        processes.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    processes = launch_local_cluster(args, merge_stderr=True)
     outputs = [p.communicate(timeout=240)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "4 cpu device(s)" in outputs[0] and "parameters" not in outputs[1]

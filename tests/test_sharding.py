@@ -1,8 +1,5 @@
 """Mesh, logical-axis rules, train-state layout and the multi-process bootstrap."""
 
-import os
-import socket
-import subprocess
 import sys
 import textwrap
 
@@ -24,6 +21,8 @@ from olmo_eqx.sharding import (
 )
 from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.state import abstract_train_state
+
+from localcluster import launch_local_cluster
 
 TINY = ModelConfig(
     d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128,
@@ -106,20 +105,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 
 
 def test_two_processes_from_launcher_env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(2):
-        env = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": "2",
-            "JAX_PROCESS_ID": str(i),
-        }
-        procs.append(subprocess.Popen([sys.executable, "-c", TWO_PROCESS_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = launch_local_cluster([sys.executable, "-c", TWO_PROCESS_SCRIPT])
     outputs = [p.communicate(timeout=120) for p in procs]
     for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, err[-3000:]
