@@ -21,7 +21,8 @@ import equinox as eqx
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from .models.olmo3 import LogicalAxes, logical_axes
+from .models.config import ModelConfig
+from .models.olmo3 import LogicalAxes, abstract_model, logical_axes
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -136,6 +137,17 @@ def model_shardings(model: eqx.Module, mesh: Mesh, rules: ShardingRules = Shardi
         model,
         is_leaf=lambda x: isinstance(x, LogicalAxes),
     )
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """`abstract` (ShapeDtypeStruct leaves) with each leaf carrying its sharding: a restore target."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def sharded_abstract_model(config: ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> eqx.Module:
+    """The model's structure laid out on `mesh`, allocating nothing: the target to restore weights onto."""
+    abstract = abstract_model(config)
+    return with_shardings(abstract, model_shardings(abstract, mesh, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -157,11 +157,8 @@ def _hf_model_config(location, config: Config):
 
 def _init_from_checkpoint(location, keep_optimizer: bool, config: Config, mesh, rules):
     """Stage-1 weights (and Adam state when kept), laid out on *this* run's mesh."""
-    import jax
-
     from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer
-    from olmo_eqx.models.olmo3 import abstract_model
-    from olmo_eqx.sharding import model_shardings
+    from olmo_eqx.sharding import sharded_abstract_model
     from olmo_eqx.stages import StageError
     from olmo_eqx.train.state import sharded_abstract_train_state
 
@@ -183,12 +180,7 @@ def _init_from_checkpoint(location, keep_optimizer: bool, config: Config, mesh, 
                         "use stage.optimizer=reset to start a fresh one"
                     ) from e
                 return _restart(state, config.optim.skip_step_window, mesh)
-            abstract = abstract_model(config.model)
-            target = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                abstract,
-                model_shardings(abstract, mesh, rules),
-            )
+            target = sharded_abstract_model(config.model, mesh, rules)
             model = checkpointer.restore_model(location.step, target=target)
         except CheckpointMismatchError as e:
             raise StageError(f"checkpoint.load: {e}") from e

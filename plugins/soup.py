@@ -166,12 +166,10 @@ def _averaging_functions(model_config, mesh, rules):
     import jax
     import jax.numpy as jnp
 
-    from olmo_eqx.models.olmo3 import abstract_model
-    from olmo_eqx.sharding import model_shardings
+    from olmo_eqx.sharding import model_shardings, sharded_abstract_model
 
-    abstract = abstract_model(model_config)
-    shardings = model_shardings(abstract, mesh, rules)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = sharded_abstract_model(model_config, mesh, rules)
+    shardings = model_shardings(target, mesh, rules)
     first = jax.jit(
         lambda model, w: jax.tree.map(lambda x: w * x.astype(jnp.float32), model),
         donate_argnums=0,
@@ -184,7 +182,7 @@ def _averaging_functions(model_config, mesh, rules):
         out_shardings=shardings,
     )
     finish = jax.jit(
-        lambda total, norm: jax.tree.map(lambda t, a: (t / norm).astype(a.dtype), total, abstract),
+        lambda total, norm: jax.tree.map(lambda t, a: (t / norm).astype(a.dtype), total, target),
         donate_argnums=0,
         out_shardings=shardings,
     )

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ..models.config import ModelConfig
 from ..models.olmo3 import OLMo, abstract_model
-from ..sharding import ShardingRules, train_state_shardings
+from ..sharding import ShardingRules, train_state_shardings, with_shardings
 from .optim import OptimConfig, make_optimizer
 
 
@@ -65,10 +65,7 @@ def sharded_abstract_train_state(
 ) -> TrainState:
     """Abstract state whose leaves carry their shardings on `mesh`: the restore target."""
     abstract = abstract_train_state(model_config, optim_config)
-    shardings = train_state_shardings(abstract, mesh, rules)
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
+    return with_shardings(abstract, train_state_shardings(abstract, mesh, rules))
 
 
 def init_train_state(
