@@ -175,6 +175,12 @@ class Checkpointer:
         data = self._manager.restore(step, args=ocp.args.Composite(model_config=ocp.args.JsonRestore()))
         return model_config_from_dict(data["model_config"])
 
+    def stored_config(self, step: Optional[int] = None) -> Optional[dict]:
+        """The resolved run config saved with `step` (default: latest), or None if none was saved."""
+        step = self._resolve_step(step)
+        data = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return data["config"] or None
+
     # -- save --------------------------------------------------------------------------------
 
     def save(

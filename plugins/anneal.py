@@ -168,7 +168,8 @@ def _init_from_checkpoint(location, keep_optimizer: bool, config: Config, mesh, 
         try:
             if keep_optimizer:
                 # The skip-step ring buffers are restored at their stored length (then reset).
-                stored = dataclasses.replace(config.optim, skip_step_window=_stored_window(location, config.optim))
+                window = _stored_window(checkpointer, location.step, config.optim)
+                stored = dataclasses.replace(config.optim, skip_step_window=window)
                 target = sharded_abstract_train_state(config.model, stored, mesh, rules)
                 try:
                     state = checkpointer.restore(location.step, target=target).state
@@ -221,15 +222,12 @@ def _fresh_state_function(model_config, optim_config, mesh, rules):
     )
 
 
-def _stored_window(location, optim_config) -> int:
-    """The skip-step window of the run that wrote the checkpoint (its config, saved beside the
-    arrays as Orbax JSON); the configured one when the checkpoint doesn't say."""
-    import json
-
+def _stored_window(checkpointer, step: int, optim_config) -> int:
+    """The skip-step window of the run that wrote the checkpoint (its saved run config); the
+    configured one when the checkpoint doesn't say."""
     try:
-        stored = json.loads((location.directory / str(location.step) / "config" / "metadata").read_text())
-        return int(stored["optim"]["skip_step_window"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int((checkpointer.stored_config(step) or {})["optim"]["skip_step_window"])
+    except (KeyError, TypeError, ValueError):
         return optim_config.skip_step_window
 
 

@@ -4,11 +4,11 @@
 complete step), one step directory, or a HF checkpoint directory (config.json + safetensors);
 `olmo_eqx.checkpoint_paths.resolve_checkpoint` decides, as for every later stage.
 
-Our checkpoints are read *read-only* (Orbax's StandardCheckpointer on the step's `model`
-item): opening a `Checkpointer` would clean up the tmp directory of a save in flight when a
-training run is still writing into the same directory. The model's architecture comes from
-the checkpoint (`model_config`); the run's `model.attention_impl` and `model.compute_dtype`
-choose how it runs here, since they don't change the weights.
+Our checkpoints are read through a read-only `Checkpointer` (which never touches a save in
+flight of a run still writing into the same directory, and refuses incomplete steps). The
+model's architecture comes from the checkpoint (`model_config`); the run's
+`model.attention_impl` and `model.compute_dtype` choose how it runs here, since they don't
+change the weights.
 """
 
 import json
@@ -19,11 +19,10 @@ from typing import Optional
 import jax
 from jax.sharding import Mesh
 
-from olmo_eqx.checkpoint import model_config_from_dict
 from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
 from olmo_eqx.models.config import ModelConfig
-from olmo_eqx.models.olmo3 import OLMo, abstract_model
-from olmo_eqx.sharding import ShardingRules, model_shardings
+from olmo_eqx.models.olmo3 import OLMo
+from olmo_eqx.sharding import ShardingRules, model_shardings, sharded_abstract_model
 
 
 class EvalError(ValueError):
@@ -57,20 +56,18 @@ def resolve_model_source(path: str) -> ModelSource:
     return ModelSource(location.directory / str(location.step), "checkpoint", location.step)
 
 
-def _read_json_item(step_dir: Path, item: str) -> Optional[dict]:
-    """A JSON item Orbax wrote into a step directory (read-only), or None when absent or empty."""
-    import orbax.checkpoint as ocp
+def _checkpointer(source: ModelSource):
+    from olmo_eqx.checkpoint import Checkpointer
 
-    if not (step_dir / item).is_dir():
-        return None
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-        data = checkpointer.restore(step_dir / item)
-    return data or None
+    return Checkpointer(source.path.parent, keep_last=None, read_only=True)
 
 
 def stored_run_config(source: ModelSource) -> Optional[dict]:
     """The run config saved with one of our checkpoints (None for HF or when absent)."""
-    return _read_json_item(source.path, "config") if source.kind == "checkpoint" else None
+    if source.kind != "checkpoint":
+        return None
+    with _checkpointer(source) as checkpointer:
+        return checkpointer.stored_config(source.step)
 
 
 def source_model_config(source: ModelSource, **runtime) -> ModelConfig:
@@ -80,16 +77,8 @@ def source_model_config(source: ModelSource, **runtime) -> ModelConfig:
 
         hf = json.loads((source.path / "config.json").read_text())
         return model_config_from_hf(hf, **runtime)
-    data = _read_json_item(source.path, "model_config")
-    if data is None:
-        raise EvalError(f"{source.path} holds no model_config; is it a checkpoint of olmo_eqx?")
-    return model_config_from_dict(data).replace(**runtime)
-
-
-def _sharded_target(config: ModelConfig, mesh: Mesh, rules: ShardingRules):
-    abstract = abstract_model(config)
-    shardings = model_shardings(abstract, mesh, rules)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    with _checkpointer(source) as checkpointer:
+        return checkpointer.stored_model_config(source.step).replace(**runtime)
 
 
 def load_model(
@@ -107,8 +96,6 @@ def load_model(
 
         model = load_hf(source.path, **runtime)
         return jax.device_put(model, model_shardings(model, mesh, rules))
-    import orbax.checkpoint as ocp
-
     config = source_model_config(source, **runtime)
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(source.path / "model", _sharded_target(config, mesh, rules))
+    with _checkpointer(source) as checkpointer:
+        return checkpointer.restore_model(source.step, target=sharded_abstract_model(config, mesh, rules))
