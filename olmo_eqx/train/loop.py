@@ -330,6 +330,12 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
         f"mesh {dict(mesh.shape)} | batch {data.global_batch_size} x {data.sequence_length} = {tokens_per_step:,} tokens "
         f"| steps {start_step} -> {end_step} of {trainer.steps} | run dir {run_dir}"
     )
+    device = jax.devices()[0]
+    if peak is None:
+        log.print(f"MFU not reported: no known peak FLOP/s for device kind {device.device_kind!r}")
+    else:
+        source = "measured float32 matmul peak of this CPU" if device.platform == "cpu" else device.device_kind
+        log.print(f"MFU = model FLOPs/s per device / {peak / 1e12:.3g} TFLOP/s ({source})")
 
     config_dict = config_to_dict(config)
     last_saved = start_step if start_step else None

@@ -7,6 +7,7 @@ two seconds) and cached in `$OLMO_EQX_CACHE/cpu_peak.json` (default ~/.cache/olm
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -62,6 +63,7 @@ def cpu_peak_flops() -> float:
         return _CPU_PEAK
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    print(f"measuring this CPU's float32 matmul peak once for MFU (cached in {path}) ...", file=sys.stderr, flush=True)
     _CPU_PEAK = measure_cpu_peak()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
