@@ -3,7 +3,6 @@ resets the optimiser, decays the LR linearly to exactly 0 at its last step, resu
 checkpoints first; and the forgiving checkpoint paths it (and soup) accept."""
 
 import json
-import math
 
 import jax
 import numpy as np

@@ -1,7 +1,6 @@
 """The eval stage: OLMES request files, per-request log-likelihoods against HF PyTorch, RC/MC
 metrics on a hand-checked case, bits per byte, and `+stage=eval` through the CLI."""
 
-import gzip
 import json
 import math
 
