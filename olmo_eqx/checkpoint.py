@@ -29,7 +29,7 @@ from .train.state import TrainState
 
 # Fields that change how a model runs but not its weights; a checkpoint may be restored
 # under different values (same list as `olmo3.with_config` allows).
-RUNTIME_FIELDS = ("attention_impl", "remat", "compute_dtype")
+RUNTIME_FIELDS = ("attention_impl", "remat", "compute_dtype", "loss_chunk_size")
 
 # Written by Orbax into a step directory as the last act of a save (all storage backends).
 COMMIT_MARKER = "commit_success.txt"

@@ -8,8 +8,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-AttentionImpl = Literal["xla", "cudnn", "reference"]
-RematPolicy = Literal["none", "full", "save_matmuls"]
+# "auto": cuDNN flash attention on GPU (bf16), Pallas splash on TPU, "blockwise" elsewhere.
+AttentionImpl = Literal["auto", "blockwise", "xla", "cudnn", "splash", "reference"]
+RematPolicy = Literal["none", "full", "save_matmuls", "save_projections"]
 DType = Literal["float32", "bfloat16"]
 
 
@@ -55,8 +56,12 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
-    attention_impl: AttentionImpl = "xla"
+    # How the model runs, not what it is: free to change between a checkpoint and its resume.
+    attention_impl: AttentionImpl = "auto"
     remat: RematPolicy = "none"
+    # Sequence positions per chunk of the training loss: the float32 logits of one chunk
+    # ([batch, chunk, vocab]) exist at a time, rematerialised in the backward pass.
+    loss_chunk_size: int = 1024
 
     def __post_init__(self):
         problems = []
@@ -76,6 +81,8 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
+        if self.loss_chunk_size < 1:
+            problems.append(f"loss_chunk_size={self.loss_chunk_size} must be >= 1")
         if problems:
             raise ValueError(f"invalid model config {self.name!r}: " + "; ".join(problems))
 

@@ -14,19 +14,41 @@ axes (used by `olmo_eqx.sharding` to place it on a mesh). Linear weights are sto
 
 Numerics: parameters are stored in `param_dtype` and cast to `compute_dtype` where used;
 RMSNorm, RoPE and the logits are always float32.
+
+Placement: activations carry logical axis names too. The caller may pass `constrain(x, axes)`
+(`olmo_eqx.sharding.ActivationSharding`), which pins them to the mesh at the points that
+decide the layout: the embedding output, every block's output, attention's q/k/v and context,
+the MLP's hidden layer and the logits. Without it (one device, tests) nothing is pinned.
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import equinox as eqx
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .attention import attend
 from .config import ModelConfig
+
+# Pins an activation to its layout: constrain(x, logical axis names of x's dimensions) -> x.
+Constrain = Callable[[Array, tuple[str, ...]], Array]
+
+
+def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
+    """The `Constrain` of a single device or no mesh: leave layout to the compiler."""
+    return x
+
+
+# Logical axes of the activations the model pins (see `olmo_eqx.sharding.ShardingRules`).
+HIDDEN = ("batch", "sequence", "act_embed")
+HEADS = ("batch", "sequence", "act_heads", "head_dim")
+KV_HEADS = ("batch", "sequence", "act_kv_heads", "head_dim")
 
 
 def _axes(*names: str):
@@ -106,45 +128,8 @@ class Rope(eqx.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention: full-width QK-norm, GQA, causal with an optional sliding window.
-
-
-def reference_attention(
-    q: Float[Array, "batch seq heads head_dim"],
-    k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
-    sliding_window: Optional[int],
-) -> Float[Array, "batch seq heads head_dim"]:
-    """Plain masked attention, written for clarity; tests hold the fast path against it."""
-    groups = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    query = jnp.arange(q.shape[1])[:, None]
-    key = jnp.arange(k.shape[1])[None, :]
-    allowed = key <= query
-    if sliding_window is not None:
-        allowed = allowed & (key > query - sliding_window)  # the window includes the query itself
-    scores = jnp.where(allowed, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
-def attend(
-    q: Float[Array, "batch seq heads head_dim"],
-    k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
-    *,
-    sliding_window: Optional[int],
-    implementation: str,
-) -> Float[Array, "batch seq heads head_dim"]:
-    if implementation == "reference":
-        return reference_attention(q, k, v, sliding_window)
-    # jax's window is (left, right) tokens besides the query; OLMo's window counts the query.
-    window = None if sliding_window is None else (sliding_window - 1, 0)
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=window, implementation=implementation
-    )
+# Attention: full-width QK-norm, GQA, causal with an optional sliding window. The kernels
+# (reference, blockwise, cuDNN, splash) live in `attention.py`; `attend` picks one.
 
 
 class Attention(eqx.Module):
@@ -176,16 +161,19 @@ class Attention(eqx.Module):
         *,
         config: ModelConfig,
         sliding_window: Optional[int],
+        constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
         batch, seq, _ = x.shape
-        q = self.q_norm(x @ self.q_proj.astype(x.dtype))
-        k = self.k_norm(x @ self.k_proj.astype(x.dtype))
-        v = x @ self.v_proj.astype(x.dtype)
-        q = rope(q.reshape(batch, seq, config.n_heads, config.head_dim))
-        k = rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim))
-        v = v.reshape(batch, seq, config.n_kv_heads, config.head_dim)
-        out = attend(q, k, v, sliding_window=sliding_window, implementation=config.attention_impl)
-        return out.reshape(batch, seq, -1) @ self.o_proj.astype(x.dtype)
+        # The names mark what the "save_projections" remat policy keeps for the backward pass.
+        q = checkpoint_name(x @ self.q_proj.astype(x.dtype), "q_proj")
+        k = checkpoint_name(x @ self.k_proj.astype(x.dtype), "k_proj")
+        v = checkpoint_name(x @ self.v_proj.astype(x.dtype), "v_proj")
+        q = constrain(rope(self.q_norm(q).reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
+        k = constrain(rope(self.k_norm(k).reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
+        v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
+        context = attend(q, k, v, sliding_window=sliding_window, implementation=config.attention_impl)
+        context = checkpoint_name(constrain(context, HEADS), "attention_context")
+        return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(x.dtype), "o_proj")
 
 
 class MLP(eqx.Module):
@@ -203,9 +191,13 @@ class MLP(eqx.Module):
         self.up_proj = _truncated_normal(ku, shape_in, config.init_std, dtype)
         self.down_proj = _truncated_normal(kd, shape_in[::-1], config.init_std, dtype)
 
-    def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
-        gate = jax.nn.silu(x @ self.gate_proj.astype(x.dtype))
-        return (gate * (x @ self.up_proj.astype(x.dtype))) @ self.down_proj.astype(x.dtype)
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], constrain: Constrain = unconstrained
+    ) -> Float[Array, "batch seq d_model"]:
+        hidden = ("batch", "sequence", "act_mlp")
+        gate = constrain(checkpoint_name(x @ self.gate_proj.astype(x.dtype), "gate_proj"), hidden)
+        up = constrain(checkpoint_name(x @ self.up_proj.astype(x.dtype), "up_proj"), hidden)
+        return checkpoint_name((jax.nn.silu(gate) * up) @ self.down_proj.astype(x.dtype), "down_proj")
 
 
 class Block(eqx.Module):
@@ -229,14 +221,22 @@ class Block(eqx.Module):
         *,
         config: ModelConfig,
         sliding_window: Optional[int],
+        constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
-        h = x + self.attention_norm(self.attention(x, rope, config=config, sliding_window=sliding_window))
-        return h + self.mlp_norm(self.mlp(h))
+        attention = self.attention(x, rope, config=config, sliding_window=sliding_window, constrain=constrain)
+        h = constrain(x + self.attention_norm(attention), HIDDEN)
+        return constrain(h + self.mlp_norm(self.mlp(h, constrain)), HIDDEN)
 
 
+# What a block keeps for its backward pass (remat); the block input is always kept.
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block; recompute it all in the backward pass
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The OLMo 3 7B reproduction's policy (MaxText): keep the q/k/v/o and MLP projection
+    # outputs and the attention context, recompute norms, RoPE, activations and the rest.
+    "save_projections": jax.checkpoint_policies.save_only_these_names(
+        "q_proj", "k_proj", "v_proj", "o_proj", "attention_context", "gate_proj", "up_proj", "down_proj"
+    ),
 }
 
 
@@ -264,16 +264,31 @@ class OLMo(eqx.Module):
         self,
         tokens: Int[Array, "batch seq"],
         positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq vocab"]:
+        """Logits over the real vocabulary (float32). Training uses `hidden_states` + a chunked loss."""
+        return self.logits(self.hidden_states(tokens, positions, constrain=constrain), constrain=constrain)
+
+    def hidden_states(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        """The final-normed hidden states, which the head turns into logits."""
         config = self.config
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype)
+        # Pinned here: otherwise the gather may inherit the embedding table's layout
+        # (d_model over "fsdp") and every device would compute the whole global batch.
+        x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
         rope_sliding = Rope(positions, config, yarn=False)
         rope_full = Rope(positions, config, yarn=config.yarn is not None)
 
         def apply_block(block: Block, x, rope: Rope, sliding_window: Optional[int]):
-            return block(x, rope, config=config, sliding_window=sliding_window)
+            return block(x, rope, config=config, sliding_window=sliding_window, constrain=constrain)
 
         if config.remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[config.remat], static_argnums=(3,))
@@ -290,12 +305,16 @@ class OLMo(eqx.Module):
         n_cycles = config.n_layers // config.cycle_length
         cycles = jax.tree.map(lambda a: a.reshape(n_cycles, config.cycle_length, *a.shape[1:]), self.blocks)
         x, _ = jax.lax.scan(run_cycle, x, cycles)
-        x = self.final_norm(x)
-        logits = jnp.einsum(
-            "bsd,dv->bsv", x, self.lm_head.astype(x.dtype), preferred_element_type=jnp.float32
-        )
+        return self.final_norm(x)
+
+    def logits(
+        self, hidden: Float[Array, "*batch d_model"], *, constrain: Constrain = unconstrained
+    ) -> Float[Array, "*batch vocab"]:
+        logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if logits.ndim == 3:
+            logits = constrain(logits, ("batch", "sequence", "act_vocab"))
         # Padding rows exist for matmul alignment only; they never enter a prediction.
-        return logits[..., : config.vocab_size]
+        return logits[..., : self.config.vocab_size]
 
 
 # ---------------------------------------------------------------------------------------------
