@@ -22,7 +22,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .models.config import ModelConfig
-from .models.olmo3 import LogicalAxes, abstract_model, logical_axes
+from .models.olmo3 import LogicalAxes, abstract_model, logical_axes, unconstrained
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -76,8 +76,17 @@ class ShardingRules:
     vocab: Optional[str] = "tensor"
     layers: Optional[str] = None
     norm: Optional[str] = None
-    # The batch dimension of inputs (and of activations, by propagation).
+    # Activations (pinned by the model through `ActivationSharding`). The batch is split over
+    # every data-parallel axis; the model dimension stays whole (FSDP gathers weights, not
+    # activations); heads, MLP hidden and vocab follow tensor parallelism.
     batch: tuple[str, ...] = ("data", "fsdp")
+    sequence: Optional[str] = None
+    act_embed: Optional[str] = None
+    act_heads: Optional[str] = "tensor"
+    act_kv_heads: Optional[str] = "tensor"
+    act_mlp: Optional[str] = "tensor"
+    act_vocab: Optional[str] = "tensor"
+    head_dim: Optional[str] = None
 
     def __post_init__(self):
         # Configs may hand over lists (YAML); keep the rules hashable (they key jit caches).
@@ -148,6 +157,29 @@ def sharded_abstract_model(config: ModelConfig, mesh: Mesh, rules: ShardingRules
     """The model's structure laid out on `mesh`, allocating nothing: the target to restore weights onto."""
     abstract = abstract_model(config)
     return with_shardings(abstract, model_shardings(abstract, mesh, rules))
+
+
+@dataclass(frozen=True)
+class ActivationSharding:
+    """The model's `constrain(x, axes)`: pins an activation to the layout the rules give it.
+
+    Called inside the traced step, it needs no ambient mesh context (the mesh travels inside
+    each `NamedSharding`). On a one-device mesh it is a no-op.
+    """
+
+    mesh: Mesh
+    rules: ShardingRules = ShardingRules()
+
+    def __call__(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        if self.mesh.size == 1:
+            return x
+        spec = spec_for(LogicalAxes(axes), x.shape, self.mesh, self.rules)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def activation_sharding(mesh: Optional[Mesh], rules: ShardingRules = ShardingRules()):
+    """`ActivationSharding(mesh, rules)`, or the model's no-op when there is no mesh."""
+    return unconstrained if mesh is None else ActivationSharding(mesh, rules)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

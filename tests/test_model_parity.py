@@ -132,7 +132,7 @@ def test_config_roundtrip(pair):
 def test_logits_match_pytorch(pair):
     case, hf_model, ours, tokens = pair
     expected = torch_logits(hf_model, tokens)
-    for impl in ("xla", "reference"):
+    for impl in ("blockwise", "xla", "reference"):
         got = np.asarray(our_logits(with_config(ours, attention_impl=impl), jnp.asarray(tokens)))
         assert got.shape == expected.shape
         err = np.abs(got - expected).max()
@@ -196,7 +196,7 @@ def test_remat_policies_change_nothing(pair):
     loss = lambda m, t: mean_next_token_loss(m(t), t)  # noqa: E731
     grad_fn = eqx.filter_jit(eqx.filter_value_and_grad(loss))
     base_loss, base_grads = grad_fn(ours, jnp.asarray(tokens))
-    for policy in ("full", "save_matmuls"):
+    for policy in ("full", "save_matmuls", "save_projections"):
         remat_loss, remat_grads = grad_fn(with_config(ours, remat=policy), jnp.asarray(tokens))
         np.testing.assert_allclose(float(remat_loss), float(base_loss), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(base_grads)):

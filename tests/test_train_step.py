@@ -85,8 +85,8 @@ def test_micro_batches_give_the_same_step(mesh8, run8):
         state, metrics = step4(state, batch)
         # Same global normalisation: equal to float32 rounding of the different summation
         # order; later steps a little looser (Adam's early updates amplify rounding of tiny
-        # gradient entries).
-        rtol = 2e-6 if i == 0 else 1e-5
+        # gradient entries; measured up to 1.2e-5 on the grad norm of step 2).
+        rtol = 2e-6 if i == 0 else 3e-5
         for name in ("loss", "z_loss", "grad_norm", "tokens"):
             np.testing.assert_allclose(metrics[name], history[i][name], rtol=rtol, err_msg=f"{name} at step {i}")
 

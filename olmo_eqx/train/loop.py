@@ -318,7 +318,7 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
         batches = heldout_set.batches(data.global_batch_size, jax.process_index(), jax.process_count())
         eval_batches[heldout_set.name] = [global_batch_arrays(b, sharding) for b in islice(batches, trainer.eval_batches)]
     train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
-    eval_step = make_eval_step()
+    eval_step = make_eval_step(mesh, rules)
 
     tokens_per_step = data.global_batch_size * data.sequence_length
     model_flops = float(flops_per_token(config.model, data.sequence_length))

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..models.olmo3 import Constrain, unconstrained
+
 
 class LossSums(NamedTuple):
     """Sums over target tokens: cross-entropy, logsumexp^2 (unweighted z-loss), token count."""
@@ -34,16 +36,18 @@ def target_count(loss_mask: Float[Array, "batch seq"]) -> Float[Array, ""]:
     return jnp.sum(target_mask(loss_mask))
 
 
-def loss_sums(
-    logits: Float[Array, "batch seq vocab"],
-    input_ids: Int[Array, "batch seq"],
-    loss_mask: Float[Array, "batch seq"],
-) -> LossSums:
-    """Sums of cross-entropy and logsumexp^2 over target tokens, in float32."""
+def _shifted_targets(
+    input_ids: Int[Array, "batch seq"], loss_mask: Float[Array, "batch seq"]
+) -> tuple[Int[Array, "batch seq"], Float[Array, "batch seq"]]:
+    """Labels and weights aligned with the predictions: position t predicts token t + 1."""
     # Shift the labels rather than slice the logits: the logits are the biggest activation
     # of the step ([B, L, vocab]) and must not be copied; the last position gets weight 0.
     labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
     weights = jnp.pad(target_mask(loss_mask), ((0, 0), (0, 1)))
+    return labels, weights
+
+
+def _sums(logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq"], weights: Float[Array, "batch seq"]) -> LossSums:
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
@@ -52,6 +56,60 @@ def loss_sums(
     ce = jnp.where(counted, (lse - label_logit) * weights, 0.0)
     z = jnp.where(counted, lse * lse * weights, 0.0)
     return LossSums(ce=jnp.sum(ce), z=jnp.sum(z), count=jnp.sum(weights))
+
+
+def loss_sums(
+    logits: Float[Array, "batch seq vocab"],
+    input_ids: Int[Array, "batch seq"],
+    loss_mask: Float[Array, "batch seq"],
+) -> LossSums:
+    """Sums of cross-entropy and logsumexp^2 over target tokens, in float32, from whole logits."""
+    return _sums(logits, *_shifted_targets(input_ids, loss_mask))
+
+
+def chunked_loss_sums(
+    hidden: Float[Array, "batch seq d_model"],
+    head: Float[Array, "d_model padded_vocab"],
+    input_ids: Int[Array, "batch seq"],
+    loss_mask: Float[Array, "batch seq"],
+    *,
+    vocab_size: int,
+    chunk_size: int,
+    constrain: Constrain = unconstrained,
+) -> LossSums:
+    """`loss_sums` of `hidden @ head` without ever holding the whole [batch, seq, vocab] logits.
+
+    The sequence is cut into chunks of `chunk_size` positions; each chunk's float32 logits are
+    computed, reduced to sums and dropped, and recomputed in the backward pass (remat), so the
+    loss holds one chunk's logits at a time. Columns of the padded vocabulary are masked out.
+    """
+    labels, weights = _shifted_targets(input_ids, loss_mask)
+    # Gather the head whole on d_model (FSDP gathers weights, never activations); left to
+    # itself GSPMD may instead split the hidden states on d_model and compute every row's
+    # partial logits on every device: a batch-sized [batch, chunk, vocab] per device.
+    head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
+
+    def chunk_sums(h, labels, weights) -> LossSums:
+        logits = jnp.einsum("bsd,dv->bsv", h, head, preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "sequence", "act_vocab"))
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+        return _sums(logits, labels, weights)
+
+    batch, length = input_ids.shape
+    if length <= chunk_size:  # one chunk: nothing to save by recomputing
+        return chunk_sums(hidden, labels, weights)
+    n_chunks = -(-length // chunk_size)
+
+    def chunks(x: Array) -> Array:  # [batch, seq, ...] -> [n_chunks, batch, chunk, ...], zero-padded
+        pad = [(0, 0), (0, n_chunks * chunk_size - length)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.moveaxis(jnp.pad(x, pad).reshape(batch, n_chunks, chunk_size, *x.shape[2:]), 1, 0)
+
+    def add_chunk(total: LossSums, xs) -> tuple[LossSums, None]:
+        return LossSums(*(a + b for a, b in zip(total, jax.checkpoint(chunk_sums)(*xs)))), None
+
+    zero = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
+    total, _ = jax.lax.scan(add_chunk, zero, (chunks(hidden), chunks(labels), chunks(weights)))
+    return total
 
 
 def objective(sums: LossSums, z_loss_weight: float, normaliser: Float[Array, ""]) -> Float[Array, ""]:

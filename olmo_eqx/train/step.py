@@ -17,8 +17,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ..sharding import ShardingRules, model_shardings, train_state_shardings
-from .loss import LossSums, loss_sums, objective, target_count
+from ..models.olmo3 import OLMo
+from ..sharding import ShardingRules, activation_sharding, model_shardings, train_state_shardings
+from .loss import LossSums, chunked_loss_sums, objective, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
 from .state import TrainState
 
@@ -69,6 +70,15 @@ def _skip_decision(
     return (n >= min_history) & (value > mean + std_factor * jnp.sqrt(var))
 
 
+def model_loss_sums(model: OLMo, ids: Int[Array, "batch seq"], mask: Float[Array, "batch seq"], constrain) -> LossSums:
+    """The training loss of `model` on a batch: hidden states, then the chunked head + loss."""
+    hidden = model.hidden_states(ids, constrain=constrain)
+    config = model.config
+    return chunked_loss_sums(
+        hidden, model.lm_head, ids, mask, vocab_size=config.vocab_size, chunk_size=config.loss_chunk_size, constrain=constrain
+    )
+
+
 def make_train_step(
     optim_config: OptimConfig,
     schedule: optax.Schedule,
@@ -78,6 +88,9 @@ def make_train_step(
     micro_batches: int = 1,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build `train_step(state, batch) -> (state, metrics)`; `state` is donated (don't reuse it).
+
+    `train_step.step` is the same step unjitted, as `step(batch, state)`: what the memory
+    planner lowers for abstract shapes.
 
     batch: {"input_ids": int32 [B, L], "loss_mask": float32 [B, L]}, global arrays (ideally
     laid out with `batch_sharding(mesh)`). With `mesh`, the output state is pinned to the
@@ -92,6 +105,7 @@ def make_train_step(
     optimizer = make_optimizer(optim_config)
     z_weight = float(optim_config.z_loss_weight)
     skip_std = optim_config.skip_step_std
+    constrain = activation_sharding(mesh, rules)
 
     def step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         ids, mask = _check_batch(batch)
@@ -99,7 +113,7 @@ def make_train_step(
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
         def micro_objective(params, ids, mask):
-            sums = loss_sums(eqx.combine(params, static)(ids), ids, mask)
+            sums = model_loss_sums(eqx.combine(params, static), ids, mask, constrain)
             return objective(sums, z_weight, count), sums
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
@@ -176,18 +190,21 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         return jitted(batch, state)
 
+    train_step.step = step
     return train_step
 
 
-def make_eval_step() -> Callable[[eqx.Module, Batch], LossSums]:
+def make_eval_step(mesh: Optional[Mesh] = None, rules: ShardingRules = ShardingRules()) -> Callable[[eqx.Module, Batch], LossSums]:
     """Build `eval_step(model, batch) -> LossSums` (ce sum, z sum, target count) for held-out loss.
 
-    Sum the results over the held-out batches and divide ce by count for the mean loss.
+    Sum the results over the held-out batches and divide ce by count for the mean loss. Like
+    training, it never holds the whole logits, and with `mesh` pins activations by `rules`.
     """
+    constrain = activation_sharding(mesh, rules)
 
     @eqx.filter_jit
     def eval_step(model: eqx.Module, batch: Batch) -> LossSums:
         ids, mask = _check_batch(batch)
-        return loss_sums(model(ids), ids, mask)
+        return model_loss_sums(model, ids, mask, constrain)
 
     return eval_step
