@@ -1,0 +1,106 @@
+"""Scale, shown by compiling the real train step (never running it) and reading XLA's figures.
+
+Numeric equality of 8 devices and 1 says nothing about memory: these tests read the compiled
+step's per-device temporaries and its HLO's collectives, as `python -m olmo_eqx.plan` does.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import olmo_eqx.train.step as train_step_module
+from olmo_eqx.models.olmo3 import unconstrained
+from olmo_eqx.plan import collective_traffic, plan
+
+# olmo3_tiny at a fixed per-device batch of 2 sequences of 128 tokens.
+OVERRIDES = ["model=olmo3_tiny", "data.sequence_length=128"]
+
+
+def plan_for(devices: int, *extra: str) -> dict:
+    return plan([*OVERRIDES, f"data.global_batch_size={2 * devices}", *extra], devices)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[int, dict]:
+    return {n: plan_for(n) for n in (2, 8)}
+
+
+def test_per_device_memory_stays_flat_as_devices_grow(plans):
+    small, large = (plans[n]["bytes"]["temporaries"] for n in (2, 8))
+    print(f"per-device temporaries: 2 devices {small / 2**20:.1f} MiB, 8 devices {large / 2**20:.1f} MiB")
+    assert abs(large - small) <= 0.10 * small
+    for p in plans.values():
+        assert p["per_device_batch"] == 2 and p["warnings"] == []
+
+
+def test_no_batch_sized_all_gathers_in_the_pure_fsdp_step(plans):
+    for p in plans.values():
+        assert p["batch_sized_all_gathers"] == 0
+        # FSDP gathers weights: every all-gather is there, and the gradients are reduced.
+        assert p["collectives"]["all-gather"]["count"] > 0
+        assert p["collectives"]["all-reduce"]["count"] + p["collectives"]["reduce-scatter"]["count"] > 0
+
+
+def test_the_checks_see_unpinned_activations(monkeypatch, plans):
+    """Control: without the activation constraints (the old bug) the same checks fail."""
+    monkeypatch.setattr(train_step_module, "activation_sharding", lambda mesh, rules: unconstrained)
+    unpinned = plan_for(8)
+    assert unpinned["batch_sized_all_gathers"] > 0
+    assert unpinned["bytes"]["temporaries"] > 2 * plans[8]["bytes"]["temporaries"]
+
+
+def test_tensor_parallel_layout_keeps_the_batch_split():
+    p = plan_for(8, "mesh=fsdp_tp2")
+    assert p["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and p["batch_sized_all_gathers"] == 0
+    assert any("computed on 2 devices" in w for w in p["warnings"])  # TP: each sequence on its tensor pair
+
+
+def test_planner_command_at_32_devices(plans, tmp_path):
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "olmo_eqx.plan", *OVERRIDES, "data.global_batch_size=64", "+plan.devices=32",
+               f"+plan.json={out}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "olmo3_tiny" in result.stdout and "fits: TPU v6e (32 GiB) yes" in result.stdout
+    p = json.loads(out.read_text())
+    assert p["devices"] == 32 and p["per_device_batch"] == 2
+    eight = plans[8]["bytes"]["temporaries"]
+    print(f"per-device temporaries: 8 devices {eight / 2**20:.1f} MiB, 32 devices {p['bytes']['temporaries'] / 2**20:.1f} MiB")
+    assert abs(p["bytes"]["temporaries"] - eight) <= 0.10 * eight
+
+
+def test_planner_refuses_unknown_options():
+    result = subprocess.run([sys.executable, "-m", "olmo_eqx.plan", "+plan.device=4"], capture_output=True, text=True)
+    assert result.returncode != 0 and "+plan.devices=N" in result.stderr
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %ag = f32[64]{0} all-gather(%x), dimensions={0}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %c = s32[] constant(6)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  %rs = f32[8]{0} reduce-scatter(f32[64]{0} %a), dimensions={0}
+  ROOT %ar = f32[8]{0} all-reduce(%a), to_apply=%add
+}
+"""
+
+
+def test_collectives_count_loop_iterations():
+    traffic, gathered, unknown = collective_traffic(HLO)
+    assert traffic["all-gather"] == {"count": 6, "bytes": 6 * 64 * 4}  # 6 trips of the loop body
+    assert traffic["reduce-scatter"] == {"count": 1, "bytes": 64 * 4}  # the input it reduces
+    assert traffic["all-reduce"] == {"count": 1, "bytes": 8 * 4}
+    assert gathered == [("f32", (64,))] and not unknown
