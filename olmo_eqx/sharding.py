@@ -173,8 +173,11 @@ class ActivationSharding:
     def __call__(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         if self.mesh.size == 1:
             return x
-        spec = spec_for(LogicalAxes(axes), x.shape, self.mesh, self.rules)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(x.shape, axes)))
+
+    def spec(self, shape: tuple[int, ...], axes: tuple[str, ...]) -> P:
+        """The PartitionSpec of an activation of `shape` with these logical axes."""
+        return spec_for(LogicalAxes(axes), shape, self.mesh, self.rules)
 
 
 def activation_sharding(mesh: Optional[Mesh], rules: ShardingRules = ShardingRules()):

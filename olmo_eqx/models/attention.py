@@ -25,6 +25,10 @@ from jaxtyping import Array, Float, Int
 
 DEFAULT_BLOCK = 512
 
+# Logical axes of attention's inputs and outputs (see `olmo_eqx.sharding.ShardingRules`).
+HEADS = ("batch", "sequence", "act_heads", "head_dim")
+KV_HEADS = ("batch", "sequence", "act_kv_heads", "head_dim")
+
 
 def reference_attention(
     q: Float[Array, "batch seq heads head_dim"],
@@ -249,17 +253,29 @@ def attend(
     *,
     sliding_window: Optional[int],
     implementation: str,
+    constrain=None,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """Causal attention over [batch, seq, heads, head_dim] by the named implementation."""
+    """Causal attention over [batch, seq, heads, head_dim] by the named implementation.
+
+    `constrain` (the model's activation sharding) matters only to kernels that GSPMD cannot
+    partition (splash): they run once per shard of its mesh.
+    """
     implementation = resolve_implementation(implementation, q.dtype)
     if implementation == "reference":
         return reference_attention(q, k, v, sliding_window)
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, sliding_window)
     if implementation == "splash":
-        from .splash import splash_attention  # TPU only; imports Pallas
+        from .splash import splash_attention  # imports Pallas
 
-        return splash_attention(q, k, v, sliding_window=sliding_window)
+        kernel = functools.partial(splash_attention, sliding_window=sliding_window)
+        mesh = getattr(constrain, "mesh", None)
+        if mesh is not None and mesh.size > 1:
+            # A Mosaic kernel cannot be split by the compiler: run it on each shard's batch
+            # rows and heads (attention never mixes either).
+            q_spec, kv_spec = constrain.spec(q.shape, HEADS), constrain.spec(k.shape, KV_HEADS)
+            kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
+        return kernel(q, k, v)
     # "xla" / "cudnn": jax's own. Its window is (left, right) tokens besides the query.
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(

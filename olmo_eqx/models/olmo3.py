@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import attend
+from .attention import HEADS, KV_HEADS, attend
 from .config import ModelConfig
 
 # Pins an activation to its layout: constrain(x, logical axis names of x's dimensions) -> x.
@@ -47,8 +47,6 @@ def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
 
 # Logical axes of the activations the model pins (see `olmo_eqx.sharding.ShardingRules`).
 HIDDEN = ("batch", "sequence", "act_embed")
-HEADS = ("batch", "sequence", "act_heads", "head_dim")
-KV_HEADS = ("batch", "sequence", "act_kv_heads", "head_dim")
 
 
 def _axes(*names: str):
@@ -171,7 +169,7 @@ class Attention(eqx.Module):
         q = constrain(rope(self.q_norm(q).reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
         k = constrain(rope(self.k_norm(k).reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
         v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
-        context = attend(q, k, v, sliding_window=sliding_window, implementation=config.attention_impl)
+        context = attend(q, k, v, sliding_window=sliding_window, implementation=config.attention_impl, constrain=constrain)
         context = checkpoint_name(constrain(context, HEADS), "attention_context")
         return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(x.dtype), "o_proj")
 

@@ -69,13 +69,17 @@ def splash_attention(
     v: Float[Array, "batch seq kv_heads head_dim"],
     *,
     sliding_window: Optional[int],
-    interpret: bool = False,
+    interpret: Optional[bool] = None,
     block_size: int = 512,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention, optionally limited to the last `sliding_window` keys (query included).
 
-    Same contract as `reference_attention`. `interpret=True` runs the kernel's own numerics on CPU.
+    Same contract as `reference_attention`. `interpret=True` runs the kernel's own numerics on
+    CPU; the default (None) interprets everywhere but on a TPU, so tests can run this path.
+    One device's kernel: under a multi-device mesh call it per shard (`attention.attend` does).
     """
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
     if block_size % LANES:
         raise ValueError(f"splash block_size must be a multiple of {LANES}, got {block_size}")
     if sliding_window is not None and sliding_window < 1:
