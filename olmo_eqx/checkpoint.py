@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -68,14 +69,20 @@ class CheckpointSaveError(StageError):
 
 
 def _os_reason(error: BaseException) -> str:
-    """The innermost OS-level cause of `error` in one line (Orbax wraps TensorStore's errors)."""
-    seen = error
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        seen = seen.__cause__ or seen.__context__
-    for candidate in (seen, error):
-        if isinstance(candidate, OSError) and candidate.strerror:
-            return f"{candidate.strerror} ({type(candidate).__name__}, errno {candidate.errno})"
-    text = str(seen) or type(seen).__name__
+    """The OS-level cause of `error` in one line: Orbax wraps TensorStore's errors, which carry
+    the errno as `[os_error_code='28']` inside a long message."""
+    seen, chain = error, [error]
+    while (seen := seen.__cause__ or seen.__context__) is not None and len(chain) < 20:
+        chain.append(seen)
+    for candidate in reversed(chain):
+        if isinstance(candidate, OSError) and candidate.errno:
+            where = f" at {candidate.filename}" if candidate.filename else ""
+            return f"{candidate.strerror} (errno {candidate.errno}){where}"
+        text = str(candidate)
+        if code := re.search(r"os_error_code='(\d+)'", text):
+            file = re.search(r'Failed writing: "([^"]+)"', text)
+            return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" + (f" writing {file.group(1)}" if file else "")
+    text = str(chain[-1]) or type(chain[-1]).__name__
     return text.strip().splitlines()[0][:300]
 
 

@@ -404,11 +404,8 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
 
     def diverged(step: int, reason: str):
         """Stop without saving: the summary says `diverged`, the last good checkpoint stays."""
-        kept = f"{checkpointer.directory / str(last_saved)}" if last_saved is not None else "none (nothing was saved)"
-        message = (
-            f"training diverged: {reason}. Stopped at step {step} without saving (the last checkpoint is "
-            f"{kept}); {LIKELY_CAUSES}"
-        )
+        kept = f"the last checkpoint is {checkpointer.directory / str(last_saved)}" if last_saved else "no checkpoint was saved"
+        message = f"training diverged: {reason}. Stopped at step {step} without saving ({kept}); {LIKELY_CAUSES}"
         log.print(message)
         write_summary(summary_of(step, diverged={"step": step, "reason": reason}))
         raise TrainingDiverged(message)
