@@ -258,15 +258,23 @@ class Checkpointer:
             raise PermissionError(f"checkpointer for {self.directory} was opened read_only; it cannot save")
         step = int(step)
         self.wait_until_finished()  # Orbax would wait too; this also reports its failure first
+        in_the_way = None
         if step in self.all_steps():
             try:
                 self.verify(step)
                 return False
             except CheckpointCorruptError as e:
-                self.set_aside(step, e.reason)
+                in_the_way = e.reason
         elif (self.directory / str(step)).exists():
             # No commit marker: Orbax would refuse the step forever (StepAlreadyExistsError).
-            self.set_aside(step, "no commit marker")
+            in_the_way = "no commit marker"
+        if in_the_way is not None:
+            self.set_aside(step, in_the_way)
+            if jax.process_count() > 1:  # every process must see it gone before Orbax saves
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"olmo_eqx_set_aside_{step}")
+                self._manager.reload()
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(state.model),
             train=ocp.args.StandardSave(_train_part(state)),
