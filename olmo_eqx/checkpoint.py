@@ -191,8 +191,10 @@ class Checkpointer:
         self._verified: set[int] = set()
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
-                # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's.
-                max_to_keep=None,
+                # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
+                # remote dirs, which get no manifests, keep Orbax's.
+                max_to_keep=None if self._local is not None else keep_last,
+                keep_period=None if self._local is not None else keep_every,
                 # Always Orbax's async machinery: the manifest is written from its
                 # post-finalization hook, the last moment before the commit. `async_save=False`
                 # waits for each save instead.
