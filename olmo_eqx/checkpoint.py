@@ -11,12 +11,22 @@ tmp-*` and renames it on commit, so a run killed mid-save leaves only an ignored
 
 Restoring onto another mesh or device count (8 -> 4 -> 1) goes through an abstract target
 whose leaves carry the *new* shardings: `sharded_abstract_train_state(...)`.
+
+Every step also holds `digests.json` (size and SHA-256 of each file, written before the
+commit; `checkpoint_digests.py`); restores verify it and raise `CheckpointCorruptError`
+(step, file, reason) when a file differs. Retention is ours, not Orbax's: it counts only
+steps with a manifest, so a newer damaged or unverifiable step never pushes out the last good
+one. A step directory that is in the way of a save (no commit marker, or failed verification)
+is moved into `<dir>/set_aside/`, never deleted.
 """
 
 import contextlib
 import dataclasses
 import logging
 import os
+import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -24,7 +34,9 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
 from .models.config import ModelConfig, YarnConfig
+from .stages import StageError
 from .train.state import TrainState
 
 # Fields that change how a model runs but not its weights; a checkpoint may be restored
@@ -36,9 +48,42 @@ COMMIT_MARKER = "commit_success.txt"
 
 _ITEMS = ("model", "train", "loader", "config", "model_config")
 
+# Where damaged or half-written step directories go instead of being deleted.
+SET_ASIDE_DIR = "set_aside"
+
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint holds a different model than the one requested."""
+
+
+class CheckpointCorruptError(StageError):
+    """A checkpoint step whose files fail verification or cannot be read."""
+
+    def __init__(self, path, step: int, file: str, reason: str):
+        super().__init__(f"checkpoint {path} (step {step}) is unusable: {file}: {reason}")
+        self.path, self.step, self.file, self.reason = path, step, file, reason
+
+
+class CheckpointSaveError(StageError):
+    """A save that failed (unwritable directory, disk full, ...); nothing partial is kept."""
+
+
+def _os_reason(error: BaseException) -> str:
+    """The OS-level cause of `error` in one line: Orbax wraps TensorStore's errors, which carry
+    the errno as `[os_error_code='28']` inside a long message."""
+    seen, chain = error, [error]
+    while (seen := seen.__cause__ or seen.__context__) is not None and len(chain) < 20:
+        chain.append(seen)
+    for candidate in reversed(chain):
+        if isinstance(candidate, OSError) and candidate.errno:
+            where = f" at {candidate.filename}" if candidate.filename else ""
+            return f"{candidate.strerror} (errno {candidate.errno}){where}"
+        text = str(candidate)
+        if code := re.search(r"os_error_code='(\d+)'", text):
+            file = re.search(r'Failed writing: "([^"]+)"', text)
+            return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" + (f" writing {file.group(1)}" if file else "")
+    text = str(chain[-1]) or type(chain[-1]).__name__
+    return text.strip().splitlines()[0][:300]
 
 
 class Restored(NamedTuple):
@@ -139,11 +184,22 @@ class Checkpointer:
         self.read_only = read_only
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else Path(text).expanduser().resolve())
+        self.keep_last, self.keep_every, self.async_save = keep_last, keep_every, async_save
+        # Digests, set-aside and retention work on local paths; remote (gs://) steps go unverified.
+        self._local: Optional[Path] = None if "://" in text else Path(os.fspath(self.directory))
+        self._saving: Optional[int] = None  # the step of the save in flight
+        self._verified: set[int] = set()
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=keep_last,
-                keep_period=keep_every,
-                enable_async_checkpointing=async_save,
+                # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
+                # remote dirs, which get no manifests, keep Orbax's.
+                max_to_keep=None if self._local is not None else keep_last,
+                keep_period=None if self._local is not None else keep_every,
+                # Always Orbax's async machinery: the manifest is written from its
+                # post-finalization hook, the last moment before the commit. `async_save=False`
+                # waits for each save instead.
+                enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
                 create=not read_only,
                 read_only=read_only,
                 # The writer removes tmp dirs left by a run killed mid-save; a reader (eval, export)
@@ -172,14 +228,16 @@ class Checkpointer:
     def stored_model_config(self, step: Optional[int] = None) -> ModelConfig:
         """The ModelConfig saved with `step` (default: latest); reads only a small JSON file."""
         step = self._resolve_step(step)
-        data = self._manager.restore(step, args=ocp.args.Composite(model_config=ocp.args.JsonRestore()))
-        return model_config_from_dict(data["model_config"])
+        data = self._read(step, model_config=ocp.args.JsonRestore())
+        try:
+            return model_config_from_dict(data["model_config"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointCorruptError(self.directory / str(step), step, "model_config", f"not a model config ({e})") from e
 
     def stored_config(self, step: Optional[int] = None) -> Optional[dict]:
         """The resolved run config saved with `step` (default: latest), or None if none was saved."""
         step = self._resolve_step(step)
-        data = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        return data["config"] or None
+        return self._read(step, config=ocp.args.JsonRestore())["config"] or None
 
     # -- save --------------------------------------------------------------------------------
 
@@ -200,8 +258,25 @@ class Checkpointer:
         """
         if self.read_only:
             raise PermissionError(f"checkpointer for {self.directory} was opened read_only; it cannot save")
-        if int(step) in self.all_steps():
-            return False
+        step = int(step)
+        self.wait_until_finished()  # Orbax would wait too; this also reports its failure first
+        in_the_way = None
+        if step in self.all_steps():
+            try:
+                self.verify(step)
+                return False
+            except CheckpointCorruptError as e:
+                in_the_way = e.reason
+        elif (self.directory / str(step)).exists():
+            # No commit marker: Orbax would refuse the step forever (StepAlreadyExistsError).
+            in_the_way = "no commit marker"
+        if in_the_way is not None:
+            self.set_aside(step, in_the_way)
+            if jax.process_count() > 1:  # every process must see it gone before Orbax saves
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"olmo_eqx_set_aside_{step}")
+                self._manager.reload()
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(state.model),
             train=ocp.args.StandardSave(_train_part(state)),
@@ -209,9 +284,99 @@ class Checkpointer:
             config=ocp.args.JsonSave(_jsonable(config)),
             model_config=ocp.args.JsonSave(model_config_to_dict(state.model.config)),
         )
-        return self._manager.save(int(step), args=args, force=force)
+        self._saving = step
+        try:
+            started = self._manager.save(step, args=args, force=force)
+        except Exception as e:
+            self._failed(step, e)
+        if not self.async_save:
+            self.wait_until_finished()
+        return started
+
+    def _write_manifest(self) -> None:
+        """Orbax's hook after every process wrote its files, before the rename (primary host only)."""
+        if self._local is None:
+            return
+        tmp_dirs = sorted(self._local.glob(f"{self._saving}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime)
+        if tmp_dirs:
+            write_digests(tmp_dirs[-1])
+
+    def _failed(self, step: int, error: BaseException):
+        """Remove what a failed save left and raise one line naming the path and the OS error."""
+        if self._local is not None and jax.process_index() == 0:
+            leftovers = [*self._local.glob(f"{step}.orbax-checkpoint-tmp*")]
+            if (self._local / str(step)).exists() and not (self._local / str(step) / COMMIT_MARKER).exists():
+                leftovers.append(self._local / str(step))
+            for path in leftovers:
+                shutil.rmtree(path, ignore_errors=True)
+        self._saving = None
+        with contextlib.suppress(Exception):
+            self._manager.reload()
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.directory / str(step)} failed: {_os_reason(error)}. "
+            "Nothing partial was kept; the previous checkpoints are intact. Free space or fix the "
+            "permissions of checkpoint.dir, then rerun to resume"
+        ) from error
+
+    def set_aside(self, step: int, reason: str) -> Optional[Path]:
+        """Move step `step`'s directory into `<dir>/set_aside/` (process 0); where it went."""
+        if self._local is None or jax.process_index() != 0 or not (self._local / str(step)).exists():
+            return None
+        slug = "-".join("".join(c if c.isalnum() else " " for c in reason.lower()).split())[:40]
+        target = self._local / SET_ASIDE_DIR / f"{step}-{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (self._local / str(step)).rename(target)
+        self._verified.discard(step)
+        self._manager.reload()
+        return target
+
+    def _prune(self) -> None:
+        """Keep the newest `keep_last` steps *with a manifest* (and multiples of `keep_every`);
+        delete older ones. Unverifiable steps never count towards keep_last."""
+        if self.read_only or self.keep_last is None or self._local is None or jax.process_index() != 0:
+            return
+        steps = self.all_steps()
+        sealed = [s for s in steps if has_digests(self._local / str(s))]
+        if len(sealed) <= self.keep_last:
+            return
+        oldest_kept = sealed[-self.keep_last]
+        for step in steps:
+            if step < oldest_kept and not (self.keep_every and step % self.keep_every == 0):
+                # Renamed first, so a kill mid-delete never leaves a step that looks complete.
+                doomed = self._local / f".deleting-{step}"
+                (self._local / str(step)).rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+        self._manager.reload()
 
     # -- restore -----------------------------------------------------------------------------
+
+    def verify(self, step: int) -> bool:
+        """Check step `step`'s files against its manifest: True when verified, False when it
+        has none (saved by an older olmo_eqx). Raises `CheckpointCorruptError` otherwise."""
+        if step in self._verified or self._local is None:
+            return step in self._verified
+        try:
+            checked = verify_digests(self._local / str(step))
+        except DigestMismatch as e:
+            raise CheckpointCorruptError(self.directory / str(step), step, e.file, e.reason) from e
+        if checked is None:
+            return False
+        self._verified.add(step)
+        return True
+
+    def _read(self, step: int, **items):
+        """Orbax's restore of `items`, after verification; a read failure of a step that has no
+        manifest (an older save, or not ours) becomes one clear `CheckpointCorruptError`."""
+        verified = self.verify(step)
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:
+            if verified:
+                raise  # the files are the saved ones: the target or the code is at fault
+            raise CheckpointCorruptError(
+                self.directory / str(step), step, "/".join(items) if len(items) == 1 else "its items",
+                f"not a readable olmo_eqx checkpoint ({type(e).__name__}: {_os_reason(e)})",
+            ) from e
 
     def _resolve_step(self, step: Optional[int]) -> int:
         if step is None:
@@ -231,15 +396,13 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         check_model_config(self.stored_model_config(step), target.model.config, f"checkpoint {self.directory / str(step)}")
-        data = self._manager.restore(
+        data = self._read(
             step,
-            args=ocp.args.Composite(
-                model=ocp.args.StandardRestore(target.model),
-                train=ocp.args.StandardRestore(_train_part(target)),
-                loader=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore(),
-                model_config=ocp.args.JsonRestore(),
-            ),
+            model=ocp.args.StandardRestore(target.model),
+            train=ocp.args.StandardRestore(_train_part(target)),
+            loader=ocp.args.JsonRestore(),
+            config=ocp.args.JsonRestore(),
+            model_config=ocp.args.JsonRestore(),
         )
         train = data["train"]
         state = TrainState(model=data["model"], **train)
@@ -258,19 +421,41 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         check_model_config(self.stored_model_config(step), target.config, f"checkpoint {self.directory / str(step)}")
-        data = self._manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
-        return data["model"]
+        return self._read(step, model=ocp.args.StandardRestore(target))["model"]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def check_for_errors(self) -> None:
+        """Raise `CheckpointSaveError` now if the save in flight has already failed (cheap)."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            if self._saving is None:
+                raise
+            self._failed(self._saving, e)
+
     def wait_until_finished(self) -> None:
-        """Block until every started save is committed to disk."""
-        self._manager.wait_until_finished()
+        """Block until every started save is committed to disk, then apply retention.
+
+        Raises `CheckpointSaveError` (path, OS error) when the save failed; its leftovers are gone.
+        """
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            if self._saving is None:
+                raise
+            self._failed(self._saving, e)
+        if self._saving is not None:
+            self._saving = None
+            self._prune()
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's threads."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait_until_finished()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -298,3 +483,41 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     out = Path(out_dir).expanduser().resolve()  # save_hf writes local files
     save_hf(model, out, dtype=dtype)
     return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def check_storage(directory: str | os.PathLike, abstract_state: Any) -> None:
+    """Stop now, not after hours of training, if `directory` cannot take one checkpoint.
+
+    Creates the directory, writes and removes a probe file, and compares the free space with
+    the size of `abstract_state` (a tree of `jax.ShapeDtypeStruct`s: what a save writes).
+    Raises `CheckpointSaveError` naming the path, the OS error or both sizes. Remote
+    directories (gs://...) are left to the first save.
+    """
+    text = os.fspath(directory)
+    if "://" in text:
+        return
+    path = Path(text)
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state) if hasattr(leaf, "dtype"))
+    fix = "choose another checkpoint.dir or fix its permissions"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointSaveError(
+            f"checkpoint dir {path} is not writable: {e.strerror} ({e.filename or path}); {fix}"
+        ) from e
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise CheckpointSaveError(
+            f"checkpoint dir {path} has {_gib(free)} free but one checkpoint of this state needs about "
+            f"{_gib(need)}; free space there or choose another checkpoint.dir"
+        )

@@ -122,6 +122,9 @@ class TrainerConfig:
     stop_at: Optional[int] = None
     # When the generalisation-gap alarm fires (training loss falling, held-out loss not).
     gap_alarm: GapAlarmConfig = GapAlarmConfig()
+    # Stop the run as diverged after more than this many skip-step skips in a row (a spike
+    # is skipped; a run that skips every step has diverged and must not end "completed").
+    max_consecutive_skips: int = 5
 
     def __post_init__(self):
         if self.steps < 1:
@@ -132,6 +135,8 @@ class TrainerConfig:
             raise ValueError(f"log_every={self.log_every} must be >= 1")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ValueError("eval_every must be >= 0 and eval_batches >= 1")
+        if self.max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips={self.max_consecutive_skips} must be >= 0")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
             raise ValueError(f"stop_at={self.stop_at} must lie in 1..steps={self.steps}")
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from olmo_eqx.checkpoint import COMMIT_MARKER, CheckpointMismatchError, Checkpointer, export_hf
+from olmo_eqx.checkpoint_digests import DIGEST_FILE
 from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh
@@ -190,6 +191,21 @@ def test_retention_keeps_last_and_every(tmp_path, monkeypatch, mesh8):
     checkpointer.wait_until_finished()
     assert checkpointer.all_steps() == [4, 8, 9]
     assert checkpointer.save(9, state) is False  # an existing complete step is left alone
+    checkpointer.close()
+
+
+def test_retention_never_drops_the_last_verified_step_for_an_unverified_one(tmp_path, mesh8):
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    checkpointer = Checkpointer(tmp_path, keep_last=2, async_save=False)
+    checkpointer.save(1, state)
+    checkpointer.save(2, state)
+    # A newer step without a manifest (copied by hand, or saved by an older olmo_eqx) ...
+    shutil.copytree(tmp_path / "2", tmp_path / "5")
+    (tmp_path / "5" / DIGEST_FILE).unlink()
+    checkpointer.save(3, state)
+    # ... does not count towards keep_last: the two newest verified steps stay.
+    assert checkpointer.all_steps() == [2, 3, 5]
+    assert checkpointer.verify(3) and not checkpointer.verify(5)
     checkpointer.close()
 
 

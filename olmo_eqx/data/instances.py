@@ -17,7 +17,7 @@ from jaxtyping import Bool, Int, Integer
 
 from olmo_eqx.data.mixes import Source
 from olmo_eqx.data.permutation import FeistelPermutation, derive_seed
-from olmo_eqx.data.token_files import DataFileError, TokenFile
+from olmo_eqx.data.token_files import DataFileError, TokenFile, out_of_vocab_error
 
 # OLMo-core's InstanceFilterConfig defaults (used for OLMo 3 32B and MaxText's 7B).
 NGRAM_MAX_PERIOD = 13
@@ -71,6 +71,7 @@ class InstanceDataset:
         mix_seed: seed of the fixed subsample/repeat maps of ratio'd sources.
         filter_repeated_ngrams: zero the loss mask of instances with a long repeated n-gram.
         check_token_ids: scan every file for ids >= vocab_size now (reads all data once).
+            Without it ids are still checked, per instance as `read` fetches it.
     """
 
     def __init__(
@@ -206,6 +207,13 @@ class InstanceDataset:
         out = np.empty((len(file_index), self.sequence_length), dtype=np.int32)
         for row, (f, start) in enumerate(zip(file_index.tolist(), offset.tolist())):
             out[row] = self._tokens(f)[start : start + self.sequence_length]
+        # Every id is checked as it is read (two reductions over the batch, far below the
+        # cost of the read): an id >= vocab_size would index past the embedding and train
+        # on NaN. A uint32 id >= 2**31 shows up negative in int32.
+        if out.size and (int(out.max()) >= self.vocab_size or int(out.min()) < 0):
+            row, col = (int(i) for i in np.argwhere((out >= self.vocab_size) | (out < 0))[0])
+            f, position = int(file_index[row]), int(offset[row]) + col
+            raise out_of_vocab_error(self.files[f].path, int(self._tokens(f)[position]), position, self.vocab_size)
         mask = np.ones(out.shape, dtype=bool)
         if self.filter_repeated_ngrams and len(out):
             mask &= repeated_ngram_keep(out)[:, None]

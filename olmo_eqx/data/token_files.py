@@ -18,6 +18,15 @@ class DataFileError(ValueError):
     """A token file, manifest or data position that cannot be used as given."""
 
 
+def out_of_vocab_error(path: Path, token_id: int, position: int, vocab_size: int) -> DataFileError:
+    """The one message for a token id >= vocab_size: the file and the offset in it."""
+    return DataFileError(
+        f"token file {path} holds token id {token_id} at position {position}, but vocab_size is "
+        f"{vocab_size}: it was tokenized with another tokenizer or read with the wrong dtype; "
+        "re-tokenize it or fix model.vocab_size / the dtype"
+    )
+
+
 def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The dtype OLMo-core uses for a vocabulary of `vocab_size` ids."""
     if vocab_size <= 0:
@@ -79,11 +88,7 @@ class TokenFile:
             chunk = np.asarray(tokens[start : start + chunk_tokens])
             if chunk.size and int(chunk.max()) >= self.vocab_size:
                 offset = start + int(np.argmax(chunk >= self.vocab_size))
-                raise DataFileError(
-                    f"token file {self.path} holds token id {int(tokens[offset])} at position {offset}, "
-                    f"but vocab_size is {self.vocab_size}: it was tokenized with another tokenizer "
-                    "or read with the wrong dtype; re-tokenize it or fix vocab_size/dtype"
-                )
+                raise out_of_vocab_error(self.path, int(tokens[offset]), offset, self.vocab_size)
 
     def __repr__(self) -> str:
         return f"TokenFile({str(self.path)!r}, tokens={self.num_tokens}, dtype={self.dtype.name})"

@@ -9,12 +9,20 @@ Resume is automatic: a checkpoint holds the weights, optimiser state, step and d
 together, so a rerun with the same output directory continues bit for bit. SIGTERM/SIGINT
 finish the step in flight, save a checkpoint and return normally (exit status 0).
 
+What goes wrong stops the run with one line (a `StageError`) and nothing lost: a second run
+on the same run dir (`run_lock`), an unwritable or too small checkpoint dir (before
+compiling), a refused resume (before anything in the run dir changes), a checkpoint that
+fails verification (set aside; the previous one is used), a failed save, token ids out of
+range, and divergence (`divergence.py`: never saved, summary says `diverged`).
+
 In multi-process runs every process runs this loop; only process 0 prints and writes the
 run directory's files (config.json, metrics.jsonl, train.log, summary.json). Orbax
 coordinates the checkpoint writes itself.
 """
 
+import contextlib
 import json
+import math
 import signal
 import threading
 import time
@@ -28,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer
+from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
 from olmo_eqx.config import Config, DataConfig, config_to_dict
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.data.heldout import HeldOutSet, heldout_sets
@@ -39,13 +47,15 @@ from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.olmo3 import count_params
+from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
 from olmo_eqx.stages import StageError
 from olmo_eqx.sweep import SUMMARY_FILE
+from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, all_finite
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import mfu, peak_flops_per_device
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.train.state import TrainState, init_train_state, sharded_abstract_train_state
+from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_eval_step, make_train_step
 
 METRICS_FILE = "metrics.jsonl"
@@ -226,23 +236,75 @@ def _checkpoint_dir(config: Config, run_dir: Path) -> str:
 
 
 def _restore_or_init(
-    config: Config, checkpointer: Checkpointer, mesh: Mesh, rules: ShardingRules, init_state: InitState
-) -> tuple[TrainState, Optional[LoaderState], int]:
-    """(state, data position, step): from the latest complete checkpoint, else fresh."""
-    latest = checkpointer.latest_step()
-    if latest is None:
-        return init_state(config, mesh, rules), None, 0
-    if not config.checkpoint.resume:
+    config: Config, checkpointer: Checkpointer, dataset: InstanceDataset, mesh: Mesh, rules: ShardingRules,
+    init_state: InitState, notes: list[str],
+) -> tuple[TrainState, DataLoader, int]:
+    """(state, loader, step): from the newest checkpoint that verifies, else fresh.
+
+    Raises `StageError` for every refusal (other model, data, seed, batch, sequence length)
+    before the caller writes anything into the run dir. A checkpoint that fails verification
+    is set aside and the one before it used; `notes` gets one line per such step.
+    """
+    steps = checkpointer.all_steps()
+    if steps and not config.checkpoint.resume:
         raise StageError(
-            f"{checkpointer.directory} already holds checkpoints (latest step {latest}) and "
+            f"{checkpointer.directory} already holds checkpoints (latest step {steps[-1]}) and "
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
-    target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+    state, loader_state, start_step = None, None, 0
+    if steps:
+        target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+        unusable = []
+        for step in reversed(steps):
+            try:
+                restored = checkpointer.restore(step, target=target)
+            except CheckpointMismatchError as e:
+                raise StageError(f"cannot resume: {e}") from e
+            except CheckpointCorruptError as e:
+                unusable.append(f"{e}; moved to {checkpointer.set_aside(step, e.reason)}")
+                continue
+            state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
+            break
+        fallback = f"falling back to step {start_step}" if state is not None else "no usable checkpoint is left"
+        notes.extend(f"{line}; {fallback}" for line in unusable)
+        if state is None:
+            raise StageError(
+                f"{'; '.join(unusable)}. No checkpoint in {checkpointer.directory} verifies; rerunning will "
+                "start from step 0 (the damaged steps are kept under set_aside/)"
+            )
+        notes.append(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step})")
     try:
-        restored = checkpointer.restore(latest, target=target)
-    except CheckpointMismatchError as e:
-        raise StageError(f"cannot resume: {e}") from e
-    return restored.state, LoaderState.from_dict(restored.loader_state), latest
+        loader = DataLoader(
+            dataset,
+            config.data.global_batch_size,
+            config.data.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            state=loader_state,
+        )
+    except DataFileError as e:  # e.g. another dataset, seed or batch size than the checkpoint's
+        raise StageError(str(e)) from e
+    if loader.step != start_step:
+        raise StageError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
+    if state is None:
+        state = init_state(config, mesh, rules)
+    return state, loader, start_step
+
+
+@contextmanager
+def _one_writer(run_dir: Path, main_process: bool):
+    """Hold the run dir's lock (process 0 only) for the duration."""
+    if not main_process:
+        yield
+        return
+    try:
+        lock = RunLock(run_dir).acquire()
+    except RunLockedError as e:
+        raise StageError(str(e)) from e
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def train(config: Config, run_dir: Path, init_state: InitState = random_init) -> dict:
@@ -255,57 +317,52 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init) ->
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     main_process = jax.process_index() == 0
-    trainer, data = config.trainer, config.data
-    if main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
-    # Everything that can reject the config runs before any compilation or checkpoint I/O.
+    # Everything that can reject the config runs before any compilation or checkpoint I/O,
+    # and nothing in the run dir is written until the config (and a resume) is accepted.
     try:
-        dataset, heldout = build_datasets(data, config.model.vocab_size)
+        dataset, heldout = build_datasets(config.data, config.model.vocab_size)
         mesh = make_mesh(config.mesh)
-        schedule = make_schedule(config.schedule, config.optim.lr, trainer.steps)
+        schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
     except (DataFileError, ValueError) as e:
         raise StageError(str(e)) from e
     rules = ShardingRules()
-    checkpointer = Checkpointer(
-        _checkpoint_dir(config, run_dir), keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
-    )
-    log = MetricsLog(run_dir, main_process)
-    try:
-        state, loader_state, start_step = _restore_or_init(config, checkpointer, mesh, rules, init_state)
-        if loader_state is not None:
-            log.print(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step})")
-        try:
-            loader = DataLoader(
-                dataset,
-                data.global_batch_size,
-                data.seed,
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
-                state=loader_state,
-            )
-        except DataFileError as e:  # e.g. another dataset, seed or batch size than the checkpoint's
-            raise StageError(str(e)) from e
-        if loader.step != start_step:
-            raise StageError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
-        return _run(
-            config,
-            run_dir,
-            state=state,
-            start_step=start_step,
-            loader=loader,
-            heldout=heldout,
-            mesh=mesh,
-            rules=rules,
-            schedule=schedule,
-            checkpointer=checkpointer,
-            log=log,
-            started=started,
+    if main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with _one_writer(run_dir, main_process):
+        checkpoint_dir = _checkpoint_dir(config, run_dir)
+        if main_process:
+            check_storage(checkpoint_dir, abstract_train_state(config.model, config.optim))
+        checkpointer = Checkpointer(
+            checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
         )
-    finally:
+        try:
+            notes: list[str] = []
+            state, loader, start_step = _restore_or_init(config, checkpointer, dataset, mesh, rules, init_state, notes)
+            if main_process:
+                (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+            log = MetricsLog(run_dir, main_process)
+            try:
+                for note in notes:
+                    log.print(note)
+                summary = _run(
+                    config, run_dir, state=state, start_step=start_step, loader=loader, heldout=heldout, mesh=mesh,
+                    rules=rules, schedule=schedule, checkpointer=checkpointer, log=log, started=started,
+                )
+            except DataFileError as e:  # token ids out of range, found as the batch is read
+                raise StageError(f"{e}. Stopped before training on it; the checkpoints are intact") from e
+            finally:
+                log.close()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                checkpointer.close()
+            raise
         checkpointer.close()  # waits for saves in flight
-        log.close()
+        return summary
+
+
+class TrainingDiverged(StageError):
+    """Loss, grad norm, held-out loss or the state went non-finite, or too many steps were skipped."""
 
 
 def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, schedule, checkpointer, log, started) -> dict:
@@ -339,10 +396,25 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
 
     config_dict = config_to_dict(config)
     last_saved = start_step if start_step else None
+    guard = DivergenceGuard(
+        history=int(jax.device_get(state.history_count)),
+        min_history=config.optim.skip_step_min_history if config.optim.skip_step_std else None,
+        max_consecutive_skips=trainer.max_consecutive_skips,
+    )
+
+    def diverged(step: int, reason: str):
+        """Stop without saving: the summary says `diverged`, the last good checkpoint stays."""
+        kept = f"the last checkpoint is {checkpointer.directory / str(last_saved)}" if last_saved else "no checkpoint was saved"
+        message = f"training diverged: {reason}. Stopped at step {step} without saving ({kept}); {LIKELY_CAUSES}"
+        log.print(message)
+        write_summary(summary_of(step, diverged={"step": step, "reason": reason}))
+        raise TrainingDiverged(message)
 
     def save(step: int) -> None:
         nonlocal last_saved
         if step != last_saved:
+            if not bool(all_finite(state)):
+                diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
             checkpointer.save(step, state, loader_state=loader.state, config=config_dict)
             last_saved = step
 
@@ -376,6 +448,8 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
                     f"| grad norm {values['grad_norm']:.3f} | {speed}" + (" | SKIPPED" if values["skipped"] else "")
                 )
         log.write(entry)
+        if reason := guard.observe(step, values["loss"], values["grad_norm"], bool(values["skipped"])):
+            diverged(step, reason)
 
     def run_eval(step: int) -> None:
         """Held-out loss per set; `heldout_loss` is their token-weighted mean."""
@@ -387,10 +461,41 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
         log.write({"step": step, "heldout_loss": last_heldout, "heldout_tokens": tokens, "heldout": last_heldout_sets})
         for name, (loss, count) in results.items():
             log.print(f"step {step:>6}/{trainer.steps} | held-out loss {loss:.4f} ({name}, {count:,.0f} tokens)")
+        if not math.isfinite(last_heldout):
+            diverged(step, f"held-out loss is {last_heldout} at step {step}")
         if (alarm := gap_alarm.heldout(step, last_heldout)) is not None and log.enabled:
             log.write(alarm)
             warn_gap(alarm)
         throughput.pause()
+
+    def summary_of(end_step: int, interrupted: Optional[str] = None, diverged: Optional[dict] = None) -> dict:
+        tps = throughput.mean
+        summary = {
+            "stage_completed": end_step == trainer.steps and diverged is None,
+            "interrupted": interrupted,
+            "model": config.model.name,
+            "parameters": n_params,
+            "start_step": start_step,
+            "end_step": end_step,
+            "steps": trainer.steps,
+            "final_train_loss": float(np.mean(recent_losses)) if recent_losses else None,
+            "last_step_loss": recent_losses[-1] if recent_losses else None,
+            "final_heldout_loss": last_heldout,
+            "final_heldout_losses": last_heldout_sets,
+            "tokens_per_s": tps,
+            "mfu": mfu(model_flops, tps, jax.device_count(), peak) if tps else None,
+            "wall_time_s": time.perf_counter() - started,
+            "devices": jax.device_count(),
+            "checkpoint": str(checkpointer.directory / str(end_step)) if diverged is None else None,
+            "run_dir": str(run_dir),
+        }
+        if diverged is not None:
+            summary["diverged"] = diverged
+        return summary
+
+    def write_summary(summary: dict) -> None:
+        if log.enabled:
+            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
     interrupted = None
     pending: Optional[tuple[int, dict]] = None
@@ -399,17 +504,20 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
     with stop_on_signals() as stop, Prefetcher(loader, depth=2, transform=to_global) as batches:
         for step in range(start_step + 1, end_step + 1):
             state, metrics = train_step(state, next(batches))
+            checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
             if pending is not None:  # the previous step's metrics, one step late
                 record(*pending, boundary=False)
                 pending = None
             evaluate_now = bool(eval_batches) and (step % trainer.eval_every == 0 or step == end_step)
-            if step == start_step + 1 or step % trainer.log_every == 0 or evaluate_now or step == end_step:
+            save_now = bool(config.checkpoint.every) and step % config.checkpoint.every == 0
+            # A step is checked by the divergence guard before it is saved or evaluated.
+            if step == start_step + 1 or step % trainer.log_every == 0 or evaluate_now or save_now or step == end_step:
                 record(step, metrics, boundary=True)
             else:
                 pending = (step, metrics)
             if evaluate_now:
                 run_eval(step)
-            if config.checkpoint.every and step % config.checkpoint.every == 0:
+            if save_now:
                 save(step)
             # Every process must stop at the same step: agree (a collective) at log steps.
             if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < end_step:
@@ -426,29 +534,9 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
     checkpointer.wait_until_finished()
 
     completed = end_step == trainer.steps
-    wall = time.perf_counter() - started
-    tps = throughput.mean
-    summary = {
-        "stage_completed": completed,
-        "interrupted": interrupted,
-        "model": config.model.name,
-        "parameters": n_params,
-        "start_step": start_step,
-        "end_step": end_step,
-        "steps": trainer.steps,
-        "final_train_loss": float(np.mean(recent_losses)) if recent_losses else None,
-        "last_step_loss": recent_losses[-1] if recent_losses else None,
-        "final_heldout_loss": last_heldout,
-        "final_heldout_losses": last_heldout_sets,
-        "tokens_per_s": tps,
-        "mfu": mfu(model_flops, tps, jax.device_count(), peak) if tps else None,
-        "wall_time_s": wall,
-        "devices": jax.device_count(),
-        "checkpoint": str(checkpointer.directory / str(end_step)),
-        "run_dir": str(run_dir),
-    }
+    summary = summary_of(end_step, interrupted=interrupted)
     if log.enabled:
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(summary)
         status = "done" if completed else f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}); rerun to resume"
-        log.print(f"\n{status} in {wall:.1f}s | summary: {run_dir / SUMMARY_FILE}\n{json.dumps(summary, indent=2)}")
+        log.print(f"\n{status} in {summary['wall_time_s']:.1f}s | summary: {run_dir / SUMMARY_FILE}\n{json.dumps(summary, indent=2)}")
     return summary

@@ -1,0 +1,208 @@
+"""The fault drill: break a short pretrain run of the default model on purpose, every way the
+fault table of issue 11 lists, and print one row per fault: what happened, and whether
+anything good was lost.
+
+    python scripts/fault_drill.py [--keep DIR]      # a few minutes on 2 CPU cores
+
+Every run is a real `python -m olmo_eqx +stage=pretrain` process on real files (one CPU
+device, one shared compilation cache). When run as root, a chmod'ed directory does not stop
+writes, so the unwritable checkpoint dir is then a path under a regular file; a full disk is
+RLIMIT_FSIZE in the child (writes fail with EFBIG).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Short runs of the default model (olmo3_tiny, 8 x 256 tokens): 20 steps, a checkpoint every 5.
+BASE = ["+stage=pretrain", "trainer.steps=20", "schedule.warmup_steps=5", "trainer.log_every=5", "trainer.eval_every=0", "checkpoint.every=5", "checkpoint.keep_last=4"]
+ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+FULL_DISK = (
+    "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'olmo_eqx', *sys.argv[1:]])"
+)
+
+
+def command(run_dir: Path, *overrides: str, full_disk: bool = False) -> list[str]:
+    launcher = ["-c", FULL_DISK] if full_disk else ["-m", "olmo_eqx"]
+    return [sys.executable, *launcher, *BASE, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def run(run_dir: Path, *overrides: str, full_disk: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(command(run_dir, *overrides, full_disk=full_disk), capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+
+
+def said(result: subprocess.CompletedProcess) -> str:
+    """The line the user is told: the `error:` line, else the last warning or fallback note."""
+    lines = (result.stderr + result.stdout).splitlines()
+    for marker in ("error: ", "is unusable", "warning: ", "Resuming from"):
+        found = [line for line in lines if marker in line]
+        if found:
+            return found[-1][:150]
+    return lines[-1][:150] if lines else ""
+
+
+def steps(run_dir: Path) -> list[int]:
+    checkpoints = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.exists() else []
+
+
+def hashes(run_dir: Path) -> dict:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run_dir.rglob("*")) if p.is_file() and ".hydra" not in p.parts}
+
+
+def largest(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def summary(run_dir: Path) -> dict:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def drill(root: Path) -> list[tuple[str, str, bool]]:
+    rows = []
+    good = root / "good"
+    result = run(good)
+    assert result.returncode == 0 and steps(good) == [5, 10, 15, 20], result.stderr[-2000:]
+
+    def copy(name: str) -> Path:
+        shutil.copytree(good, root / name, ignore=shutil.ignore_patterns("summary.json"))
+        return root / name
+
+    # Training gone bad.
+    r = run(root / "lr", "optim.lr=1e30")
+    s = summary(root / "lr")
+    rows.append(("optim.lr=1e30", f"exit {r.returncode}, summary diverged at step {s.get('diverged', {}).get('step')}: {said(r)}",
+                 r.returncode != 0 and not s.get("stage_completed") and steps(root / "lr") == []))
+
+    data = root / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 4096, 256 * 40).astype(np.uint16)
+    tokens[256 * 3 + 11] = 5000
+    tokens.tofile(data / "part0.npy")
+    r = run(root / "ids", f"data.source={data}/part*.npy")
+    rows.append(("token file with ids >= vocab", f"exit {r.returncode}: {said(r)}", r.returncode != 0 and "loss nan" not in r.stdout))
+
+    # Damaged newest checkpoint: every kind falls back to step 15 and finishes.
+    def damage_weights(d):
+        with open(largest(d / "checkpoints" / "20" / "model"), "r+b") as f:
+            f.seek(4096)
+            f.write(os.urandom(4096))
+
+    def truncate_weights(d):
+        w = largest(d / "checkpoints" / "20" / "model")
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+
+    def truncate_loader(d):
+        p = d / "checkpoints" / "20" / "loader" / "metadata"
+        p.write_text(p.read_text()[:20])
+
+    def drop_marker(d):
+        (d / "checkpoints" / "20" / "commit_success.txt").unlink()
+
+    for name, damage in [("4 KiB of newest weights overwritten", damage_weights), ("newest commit marker deleted", drop_marker),
+                         ("half of newest weights truncated", truncate_weights), ("newest loader JSON truncated", truncate_loader)]:
+        d = copy(name.replace(" ", "_"))
+        damage(d)
+        r = run(d)
+        again = run(d)  # the crash loop of a left-over step dir would show here
+        aside = sorted(p.name for p in (d / "checkpoints" / "set_aside").iterdir()) if (d / "checkpoints" / "set_aside").exists() else []
+        ok = r.returncode == 0 and again.returncode == 0 and 15 in steps(d) and 20 in steps(d) and len(aside) == 1
+        rows.append((name, f"exit {r.returncode}, rerun exit {again.returncode}, set aside {aside}: {said(r)}", ok))
+
+    # Refused resumes leave the run dir byte for byte.
+    for override in ("model.d_model=96", "data.seed=7", "data.global_batch_size=16", "data.sequence_length=128"):
+        before = hashes(good)
+        r = run(good, override)
+        rows.append((f"resume with {override}", f"exit {r.returncode}: {said(r)}", r.returncode != 0 and hashes(good) == before))
+
+    # Two processes on one run dir.
+    d = root / "two"
+    first = subprocess.Popen(command(d, "trainer.steps=100000", "checkpoint.every=0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, **ENV})
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((d / "metrics.jsonl").exists() and (d / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    second = run(d)
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=300)
+    records = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows.append(("two processes on one run dir", f"second: exit {second.returncode}: {said(second)}",
+                 second.returncode != 0 and first.returncode == 0 and len(records) == len(set(records)) and bool(steps(d))))
+
+    # A lock left by a dead process.
+    d = copy("stale_lock")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / "run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid}))
+    r = run(d, "trainer.steps=25")
+    rows.append(("stale lock (dead pid, same host)", f"exit {r.returncode}: {said(r)}", r.returncode == 0 and 25 in steps(d)))
+
+    # Storage.
+    if os.geteuid() == 0:
+        (root / "a_file").write_text("x")
+        unwritable = root / "a_file" / "checkpoints"
+        label = "unwritable checkpoint dir (a path under a file: running as root)"
+    else:
+        (root / "read_only").mkdir()
+        os.chmod(root / "read_only", 0o555)
+        unwritable, label = root / "read_only" / "checkpoints", "read-only checkpoint dir"
+    started = time.time()
+    r = run(root / "ro", f"checkpoint.dir={unwritable}")
+    rows.append((label, f"exit {r.returncode} after {time.time() - started:.0f}s: {said(r)}",
+                 r.returncode != 0 and "parameters" not in r.stdout))
+
+    d = copy("full")
+    shutil.rmtree(d / "checkpoints" / "20")
+    r = run(d, full_disk=True)
+    leftovers = [p.name for p in (d / "checkpoints").iterdir() if not p.name.isdigit()]
+    again = run(d)
+    rows.append(("disk full during a save (RLIMIT_FSIZE 1 MiB)",
+                 f"exit {r.returncode}, leftovers {leftovers}, rerun exit {again.returncode}: {said(r)}",
+                 r.returncode != 0 and not leftovers and again.returncode == 0 and steps(d)[-1] == 20))
+
+    junk = root / "junk" / "7"
+    (junk / "model").mkdir(parents=True)
+    (junk / "commit_success.txt").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "olmo_eqx", "+stage=anneal", f"checkpoint.load={junk}", f"hydra.run.dir={root / 'junk_run'}"],
+                       capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    rows.append(("junk step dir as checkpoint.load", f"exit {r.returncode}: {said(r)}", r.returncode != 0 and "Traceback" not in r.stderr))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", help="run the drill in this directory and keep it (default: a temporary one)")
+    args = parser.parse_args()
+    root = Path(args.keep or tempfile.mkdtemp(prefix="fault_drill_")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    ENV["JAX_COMPILATION_CACHE_DIR"] = str(root / "jax_cache")
+    started = time.time()
+    try:
+        rows = drill(root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    width = max(len(f) for f, _, _ in rows)
+    print(f"{'fault':<{width}} | what happened | nothing lost")
+    print(f"{'-' * width}-+---------------+-------------")
+    for fault, what, ok in rows:
+        print(f"{fault:<{width}} | {what} | {'yes' if ok else 'NO'}")
+    print(f"\n{len(rows)} faults in {time.time() - started:.0f}s; {sum(ok for *_, ok in rows)} lost nothing")
+    sys.exit(0 if all(ok for *_, ok in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Faults on purpose, with real processes and real files: each test asserts what the user sees
+(the message, the exit status) and what is on disk afterwards (nothing good lost).
+
+The runs are the nano model on one CPU device sharing a compilation cache, a few seconds each.
+A read-only directory cannot be made here when the tests run as root (root writes through
+chmod), so an unwritable checkpoint dir is a path under a regular file, and a full disk is
+RLIMIT_FSIZE in the child (SIGXFSZ ignored, so writes fail with EFBIG like ENOSPC would).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmo_eqx.checkpoint_digests import DIGEST_FILE
+from olmo_eqx.data.token_files import write_token_file
+from olmo_eqx.run_lock import LOCK_FILE, RunLock
+from olmo_eqx.train.divergence import DivergenceGuard
+
+from clihelp import TINY, olmo_eqx
+
+NANO_VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    return {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+def run(run_dir: Path, *overrides: str, env: dict, limit_file_bytes: int = 0):
+    """`python -m olmo_eqx` on TINY in `run_dir`; with `limit_file_bytes`, no file may grow past it."""
+    args = [*TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    if not limit_file_bytes:
+        return olmo_eqx(*args, env=env)
+    launcher = (
+        "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_file_bytes}, {limit_file_bytes})); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'olmo_eqx', *sys.argv[1:]])"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", launcher, *args], capture_output=True, text=True, env={**os.environ, **env}, timeout=300
+    )
+
+
+def steps_in(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.exists() else []
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".hydra" not in p.parts and p.name != "olmo_eqx.log"
+    }
+
+
+def largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Divergence
+
+
+def test_divergence_stops_with_a_message_and_saves_nothing(tmp_path, env):
+    # Step 1 is applied with lr ~1e29 (its loss is still finite); step 2's loss is NaN.
+    result = run(tmp_path / "nan", "optim.lr=1e30", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "training diverged: loss nan and grad norm nan at step 2" in result.stderr
+    assert "learning rate" in result.stderr and "bad data" in result.stderr
+    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert summary["stage_completed"] is False and summary["diverged"]["step"] == 2
+    assert steps_in(tmp_path / "nan" / "checkpoints") == []
+    # A learning rate past float32's range makes step 1's update itself non-finite; with a save
+    # due right after it, the state is checked before saving: never saved.
+    result = run(tmp_path / "save", "optim.lr=1e40", "checkpoint.every=1", env=env)
+    assert result.returncode == 2 and "non-finite values after step 1" in result.stderr, result.stderr
+    assert steps_in(tmp_path / "save" / "checkpoints") == []
+
+
+def test_divergence_guard_counts_consecutive_skips_and_early_nan():
+    guard = DivergenceGuard(history=20, min_history=20, max_consecutive_skips=2)
+    assert guard.observe(21, 3.0, 1.0, skipped=True) is None
+    assert guard.observe(22, float("nan"), 1.0, skipped=True) is None  # skip-step handles it
+    assert guard.observe(23, 3.0, 1.0, skipped=False) is None  # the count restarts
+    for step in (24, 25):
+        assert guard.observe(step, 9.0, 1.0, skipped=True) is None
+    assert "3 consecutive steps skipped up to step 26" in guard.observe(26, 9.0, 1.0, skipped=True)
+    early = DivergenceGuard(history=0, min_history=20, max_consecutive_skips=5)
+    assert "before the skip-step rule" in early.observe(1, float("inf"), 1.0, skipped=True)
+    disabled = DivergenceGuard(history=50, min_history=None, max_consecutive_skips=5)
+    assert "skip-step rule disabled" in disabled.observe(51, 3.0, float("nan"), skipped=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Token ids out of range
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, env):
+    rng = np.random.default_rng(0)
+    files = [write_token_file(tmp_path / f"part{i}.npy", rng.integers(0, NANO_VOCAB, 64 * 24), NANO_VOCAB) for i in range(2)]
+    # Same size, so the file still looks fine to every cheap check: one id past the vocabulary.
+    tokens = np.fromfile(files[1], dtype=np.uint16)
+    tokens[64 * 5 + 7] = NANO_VOCAB + 9
+    tokens.tofile(files[1])
+    result = run(tmp_path / "run", f"data.source={tmp_path}/part*.npy", "trainer.eval_every=0", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"token file {files[1]} holds token id {NANO_VOCAB + 9} at position {64 * 5 + 7}" in result.stderr
+    assert "loss nan" not in (tmp_path / "run" / "train.log").read_text()  # stopped before training on it
+
+
+# ---------------------------------------------------------------------------------------------
+# 3 + 5. Damaged checkpoints fall back; a stale lock is taken over; retention keeps the good
+
+
+def test_damaged_checkpoints_are_set_aside_and_the_run_falls_back(tmp_path, env):
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    keep = ["checkpoint.every=2", "checkpoint.keep_last=5"]
+    first = run(run_dir, *keep, "trainer.stop_at=10", env=env)
+    assert first.returncode == 0, first.stderr
+    assert steps_in(checkpoints) == [2, 4, 6, 8, 10]
+    (checkpoints / "10" / "commit_success.txt").unlink()  # a save that never committed
+    with open(largest_file(checkpoints / "8" / "model"), "r+b") as f:  # 4 KiB overwritten in place
+        f.seek(1000)
+        f.write(os.urandom(4096))
+    weights = largest_file(checkpoints / "6" / "model")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # half the weights
+    loader = checkpoints / "4" / "loader" / "metadata"
+    loader.write_text(loader.read_text()[:20])  # truncated loader JSON
+    # A lock left by a process that has died on this host.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid}))
+
+    second = run(run_dir, *keep, env=env)
+    assert second.returncode == 0, second.stderr
+    out = second.stdout
+    assert f"taking over the stale lock {run_dir / LOCK_FILE} of pid {dead.pid}" in second.stderr
+    assert f"checkpoint {checkpoints / '8'} (step 8) is unusable: model/" in out and "contents changed" in out
+    assert f"checkpoint {checkpoints / '6'} (step 6) is unusable: model/" in out and "truncated" in out
+    assert f"(step 4) is unusable: loader/metadata: truncated" in out
+    assert out.count("falling back to step 2") == 3 and f"Resuming from {checkpoints / '2'}" in out
+    # Nothing was deleted: the damaged steps, and the uncommitted 10 (moved before step 10 was
+    # saved again, instead of Orbax's StepAlreadyExistsError), are kept aside.
+    aside = sorted(p.name.split("-")[0] for p in (checkpoints / "set_aside").iterdir())
+    assert aside == ["10", "4", "6", "8"]
+    assert steps_in(checkpoints) == [4, 6, 8, 10, 12] and not (run_dir / LOCK_FILE).exists()
+    assert all((checkpoints / str(s) / DIGEST_FILE).exists() for s in steps_in(checkpoints))
+    # Resuming from step 2 recomputes steps 3..10 bit for bit.
+    records = train_records(run_dir)
+    before, after = records[:10], records[10:]
+    assert [r["step"] for r in after] == list(range(3, 13))
+    assert [r["loss"] for r in before[2:]] == [r["loss"] for r in after[:8]]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A refused resume changes nothing in the run dir
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, env) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished")
+    result = run(run_dir, "trainer.steps=6", "trainer.eval_every=0", env=env)
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.d_model=96", "different model"),
+        ("data.seed=7", "seed"),
+        ("data.global_batch_size=16", "batch"),
+        ("data.sequence_length=32", "fingerprint"),
+    ],
+)
+def test_refused_resume_leaves_the_run_dir_byte_for_byte(finished_run, env, override, message):
+    before = tree_hashes(finished_run)
+    assert {"config.json", "metrics.jsonl", "train.log", "summary.json"} <= set(before)
+    result = run(finished_run, "trainer.steps=6", "trainer.eval_every=0", override, env=env)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert tree_hashes(finished_run) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. One writer per run dir
+
+
+def test_a_second_process_on_a_run_dir_stops_at_once(tmp_path, env):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with RunLock(run_dir):  # this test process is the live holder
+        result = run(run_dir, env=env)
+    assert result.returncode == 2, result.stderr
+    assert f"run dir {run_dir} is in use by pid {os.getpid()}" in result.stderr
+    assert sorted(p.name for p in run_dir.iterdir() if p.name != ".hydra") == ["olmo_eqx.log"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Storage faults
+
+
+def test_unwritable_checkpoint_dir_stops_before_compiling(tmp_path, env):
+    (tmp_path / "a_file").write_text("not a directory")
+    result = run(tmp_path / "run", f"checkpoint.dir={tmp_path}/a_file/ckpt", env=env)
+    assert result.returncode == 2
+    assert f"checkpoint dir {tmp_path}/a_file/ckpt is not writable: Not a directory" in result.stderr
+    assert "parameters" not in result.stdout  # stopped before the loop started
+
+
+def test_a_failed_save_stops_at_once_keeps_nothing_partial_and_a_rerun_resumes(tmp_path, env):
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert run(run_dir, "trainer.stop_at=6", env=env).returncode == 0
+    # The disk "fills": no file may grow past 1 MiB, less than the optimiser state's.
+    full = run(run_dir, env=env, limit_file_bytes=1 << 20)
+    assert full.returncode == 2, full.stderr[-2000:]
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: saving checkpoint step 12 to {checkpoints / '12'} failed: File too large (errno 27)")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["6"]  # no tmp dir, no partial step
+    again = run(run_dir, env=env)
+    assert again.returncode == 0 and f"Resuming from {checkpoints / '6'}" in again.stdout, again.stderr
+    assert steps_in(checkpoints) == [6, 12]
+
+
+# ---------------------------------------------------------------------------------------------
+# A junk step directory named as checkpoint.load
+
+
+def test_junk_step_dir_as_checkpoint_load_is_reported_clearly(tmp_path, env):
+    step = tmp_path / "ckpt" / "7"
+    (step / "model").mkdir(parents=True)
+    (step / "commit_success.txt").write_text("done")
+    result = olmo_eqx("+stage=anneal", "model=olmo3_nano", f"checkpoint.load={step}", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: checkpoint {step} (step 7) is unusable: model_config: not a readable olmo_eqx checkpoint")
+    assert "Traceback" not in result.stderr
