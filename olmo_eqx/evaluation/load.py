@@ -86,7 +86,7 @@ def load_model(
     mesh: Mesh,
     rules: ShardingRules = ShardingRules(),
     *,
-    attention_impl: str = "xla",
+    attention_impl: str = "auto",
     compute_dtype: str = "float32",
 ) -> OLMo:
     """The weights of `source`, laid out on `mesh` like training lays them out (FSDP by default)."""
