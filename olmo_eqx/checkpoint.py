@@ -36,7 +36,7 @@ from etils import epath
 
 from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
 from .models.config import ModelConfig, YarnConfig
-from .stages import StageError
+from .errors import RunError
 from .train.state import TrainState
 
 # Fields that change how a model runs but not its weights; a checkpoint may be restored
@@ -56,7 +56,7 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint holds a different model than the one requested."""
 
 
-class CheckpointCorruptError(StageError):
+class CheckpointCorruptError(RunError):
     """A checkpoint step whose files fail verification or cannot be read."""
 
     def __init__(self, path, step: int, file: str, reason: str):
@@ -64,7 +64,7 @@ class CheckpointCorruptError(StageError):
         self.path, self.step, self.file, self.reason = path, step, file, reason
 
 
-class CheckpointSaveError(StageError):
+class CheckpointSaveError(RunError):
     """A save that failed (unwritable directory, disk full, ...); nothing partial is kept."""
 
 

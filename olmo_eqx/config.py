@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.zoo import ZOO
 from olmo_eqx.sharding import MeshConfig
+from olmo_eqx.stages import stage_config_class, stage_entry_points
 from olmo_eqx.train.gap_alarm import GapAlarmConfig
 from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.schedules import ScheduleConfig
@@ -125,6 +126,12 @@ class TrainerConfig:
     # Stop the run as diverged after more than this many skip-step skips in a row (a spike
     # is skipped; a run that skips every step has diverged and must not end "completed").
     max_consecutive_skips: int = 5
+    # Where metrics go (olmo_eqx/sinks.py): jsonl (metrics.jsonl), tensorboard (event files in
+    # <run dir>/tensorboard), wandb (a W&B run in <run dir>/wandb, offline without an API key).
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl", "tensorboard")
+    # [start, stop]: record a jax.profiler trace of steps start..stop (inclusive) into
+    # <run dir>/profile (open with TensorBoard's profile plugin or Perfetto; README.md); null: none.
+    profile_steps: Optional[tuple[int, int]] = None
 
     def __post_init__(self):
         if self.steps < 1:
@@ -139,6 +146,13 @@ class TrainerConfig:
             raise ValueError(f"max_consecutive_skips={self.max_consecutive_skips} must be >= 0")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
             raise ValueError(f"stop_at={self.stop_at} must lie in 1..steps={self.steps}")
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(
+                f"profile_steps={list(self.profile_steps)} must be [start, stop] with 1 <= start <= stop "
+                "(e.g. [5,7]: skip the first step, which compiles)"
+            )
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ValueError(f"loggers={list(self.loggers)} names a logger twice")
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # The running stage's settings: composed as a mapping, then checked against (and turned
-    # into) the stage's `config_class` by olmo_eqx.stages.stage_settings.
+    # into) the stage's `config_class` by `stage_settings` below.
     stage: Any = field(default_factory=dict)
 
 
@@ -349,8 +363,6 @@ def register_configs() -> None:
     third-party stage needs no YAML file. (Registering both a file and an entry would make
     Hydra validate one against the other, a deprecated behaviour that warns.)
     """
-    from olmo_eqx.stages import stage_config_class, stage_entry_points  # stages imports this module
-
     store = ConfigStore.instance()
     store.store(name="olmo_eqx_schema", node=schema_of(Config))
     for name, model in ZOO.items():
@@ -371,3 +383,18 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def stage_settings(stage: Any, name: str, values: dict) -> Any:
+    """The stage's own settings: `values` (config key `stage`) checked against its config_class.
+
+    A stage without a config_class accepts no settings, so a typo under `stage.` still fails.
+    """
+    config_class = getattr(stage, "config_class", None)
+    if config_class is None:
+        if values:
+            raise ConfigError(f"unknown key stage.{sorted(values)[0]}: stage {name!r} takes no settings")
+        return {}
+    if not dataclasses.is_dataclass(config_class):
+        raise ConfigError(f"stage {name!r}: config_class must be a dataclass, got {config_class!r}")
+    return build(config_class, values, "stage")

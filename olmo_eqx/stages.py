@@ -15,6 +15,9 @@ The built-in stages (`plugins/`, installed as `olmo_eqx_plugins`) register exact
 `python -m olmo_eqx +stage=my_stage` then composes the config and calls `run`. A stage's
 module is imported only when the stage is listed or run, so keep heavy imports (jax) inside
 `run` and listing stays fast.
+
+This module imports nothing of the library but `errors`: the config (`olmo_eqx.config`) reads
+the registry to give each stage its `stage.*` keys, and checks them (`stage_settings`).
 """
 
 import dataclasses
@@ -22,20 +25,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from olmo_eqx.config import Config, ConfigError, build
+from olmo_eqx.errors import RunError
 
 ENTRY_POINT_GROUP = "olmo_eqx.stages"
 
 
-class StageError(RuntimeError):
-    """A stage that cannot be found or loaded."""
+class StageError(RunError):
+    """A stage that cannot be found or loaded, or refuses its input (the CLI prints it in one line)."""
 
 
 @runtime_checkable
 class Stage(Protocol):
     description: str
 
-    def run(self, config: Config, run_dir: Path) -> Optional[dict]: ...
+    def run(self, config: Any, run_dir: Path) -> Optional[dict]: ...  # config: olmo_eqx.config.Config
 
 
 def stage_entry_points() -> dict[str, metadata.EntryPoint]:
@@ -80,18 +83,3 @@ def describe(stage: Any) -> str:
     """The stage's one-line description (its `description`, else its docstring's first line)."""
     text = getattr(stage, "description", None) or (type(stage).__doc__ or "").strip()
     return text.splitlines()[0] if text else ""
-
-
-def stage_settings(stage: Any, name: str, values: dict) -> Any:
-    """The stage's own settings: `values` (config key `stage`) checked against its config_class.
-
-    A stage without a config_class accepts no settings, so a typo under `stage.` still fails.
-    """
-    config_class = getattr(stage, "config_class", None)
-    if config_class is None:
-        if values:
-            raise ConfigError(f"unknown key stage.{sorted(values)[0]}: stage {name!r} takes no settings")
-        return {}
-    if not dataclasses.is_dataclass(config_class):
-        raise StageError(f"stage {name!r}: config_class must be a dataclass, got {config_class!r}")
-    return build(config_class, values, "stage")

@@ -9,9 +9,9 @@ import pytest
 
 from olmo_eqx.checkpoint import Checkpointer
 from olmo_eqx.checkpoint_paths import resolve_checkpoint
-from olmo_eqx.config import ConfigError, compose_config
+from olmo_eqx.config import ConfigError, compose_config, stage_settings
 from olmo_eqx.sharding import ShardingRules, make_mesh
-from olmo_eqx.stages import StageError, load_stage, stage_settings
+from olmo_eqx.stages import StageError, load_stage
 from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 
 from clihelp import olmo_eqx

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from olmo_eqx.stages import StageError, load_stage, stage_entry_points, stage_settings
-from olmo_eqx.config import ConfigError
+from olmo_eqx.stages import StageError, load_stage, stage_entry_points
+from olmo_eqx.config import ConfigError, stage_settings
 
 from clihelp import olmo_eqx
 
