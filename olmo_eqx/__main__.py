@@ -25,9 +25,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from olmo_eqx.config import CONF_DIR, ConfigError, register_configs, to_config
-from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points, stage_settings
-from olmo_eqx.sweep import ERROR_FILE, SUMMARY_FILE
+from olmo_eqx.config import CONF_DIR, ConfigError, register_configs, stage_settings, to_config
+from olmo_eqx.errors import RunError
+from olmo_eqx.run_dir import SUMMARY_FILE, remove_if_new_and_empty
+from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
+from olmo_eqx.sweep import ERROR_FILE
 
 
 def list_stages() -> None:
@@ -98,7 +100,7 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         if multirun:
             return run_job_in_subprocess(hydra_config, run_dir)
         return stage.run(config, run_dir)
-    except (ConfigError, StageError) as e:
+    except (ConfigError, RunError) as e:
         # Bad input: one line naming it, not a traceback. In a sweep, fail only this job: the
         # other jobs still run and the summary table marks this one (its error file).
         print(f"error: {e}", file=sys.stderr)
@@ -106,6 +108,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / ERROR_FILE).write_text(f"{e}\n")
             return None
+        # A refused run leaves no directory behind that it created (Hydra made it, with only
+        # its own .hydra/ inside, before the config could be checked).
+        remove_if_new_and_empty(run_dir)
         sys.exit(2)
 
 

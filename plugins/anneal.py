@@ -56,9 +56,9 @@ class Anneal:
             return train(dataclasses.replace(config, model=model), run_dir)
         source = _source(config, settings)
         model = _with_runtime_fields(source.model_config, config)
-        _note_model(model, config.model)
+        notes = _model_notes(model, config.model)
         config = dataclasses.replace(config, model=model)
-        return train(config, run_dir, init_state=source.init_state)
+        return train(config, run_dir, init_state=source.init_state, notes=notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +97,8 @@ def _with_runtime_fields(model, config: Config):
     return dataclasses.replace(model, **{name: getattr(config.model, name) for name in RUNTIME_FIELDS})
 
 
-def _note_model(model, configured) -> None:
+def _model_notes(model, configured) -> tuple[str, ...]:
+    """A line for the run's log when the configured model is not the one used."""
     from olmo_eqx.checkpoint import RUNTIME_FIELDS
 
     differing = [
@@ -105,11 +106,12 @@ def _note_model(model, configured) -> None:
         for f in dataclasses.fields(model)
         if f.name not in RUNTIME_FIELDS and getattr(model, f.name) != getattr(configured, f.name)
     ]
-    if differing:
-        _print(
-            f"anneal: the model is the checkpoint's ({model.name}); the configured model "
-            f"({configured.name}) differs in {', '.join(differing)} and is not used"
-        )
+    if not differing:
+        return ()
+    return (
+        f"anneal: the model is the checkpoint's ({model.name}); the configured model "
+        f"({configured.name}) differs in {', '.join(differing)} and is not used",
+    )
 
 
 @dataclass(frozen=True)

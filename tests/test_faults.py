@@ -208,7 +208,7 @@ def test_a_second_process_on_a_run_dir_stops_at_once(tmp_path, env):
         result = run(run_dir, env=env)
     assert result.returncode == 2, result.stderr
     assert f"run dir {run_dir} is in use by pid {os.getpid()}" in result.stderr
-    assert sorted(p.name for p in run_dir.iterdir() if p.name != ".hydra") == ["olmo_eqx.log"]
+    assert sorted(p.name for p in run_dir.iterdir() if p.name != ".hydra") == []  # no empty olmo_eqx.log
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ from jax._src import compilation_cache as jax_compilation_cache
 
 from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
-from olmo_eqx.stages import StageError
-from olmo_eqx.train.loop import train
+from olmo_eqx.train.loop import TrainError, train
 
 from clihelp import TINY, olmo_eqx
 from localcluster import launch_local_cluster
@@ -108,7 +107,7 @@ def test_stop_and_resume_is_bitwise_identical(uninterrupted, tmp_path):
 
 def test_mismatched_checkpoint_is_refused_clearly(uninterrupted):
     run_dir, _ = uninterrupted
-    with pytest.raises(StageError, match="different model.*d_model"):
+    with pytest.raises(TrainError, match="different model.*d_model"):
         train(compose_config(TINY + ["model.d_model=96"]), run_dir)
 
 

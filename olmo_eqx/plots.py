@@ -1,0 +1,111 @@
+"""The pictures a run leaves: `loss.png` of a training stage and `sweep.png` of a sweep.
+
+Both read plain records (those of metrics.jsonl, summary.json), so they can be redrawn from a
+finished run dir: `python -c "from olmo_eqx.plots import *; loss_plot(read_metrics('RUN/metrics.jsonl'), 'RUN/loss.png')"`.
+"""
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed (servers, CI)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl in order, a step's later train record replacing the earlier
+    one (after a hard kill the steps since the last checkpoint were written twice)."""
+    records: list[dict] = []
+    seen: dict[tuple, int] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        key = (record.get("step"), tuple(sorted(k for k in record if k != "step")))
+        if key in seen:
+            records[seen[key]] = record
+        else:
+            seen[key] = len(records)
+            records.append(record)
+    return records
+
+
+def _finite(xs, ys):
+    pairs = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path]:
+    """Train loss per step, held-out loss per set at each evaluation, LR on a second axis and
+    gap-alarm events as vertical lines. None when there is nothing to draw."""
+    train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    if not train:
+        return None
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    steps, losses = _finite([r["step"] for r in train], [r["loss"] for r in train])
+    axis.plot(steps, losses, color="tab:blue", linewidth=1.0, label="train loss (per step)")
+    sets: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        for name, loss in (r.get("heldout") or {}).items():
+            sets.setdefault(name, []).append((r["step"], loss))
+    for i, (name, points) in enumerate(sorted(sets.items())):
+        xs, ys = _finite(*zip(*sorted(points)))
+        axis.plot(xs, ys, marker="o", markersize=4, linewidth=1.5, color=f"C{(i + 1) % 10}", label=f"held-out: {name}")
+    alarms = [r for r in records if "gap_alarm" in r]
+    for j, r in enumerate(alarms):
+        axis.axvline(r["step"], color="red", linestyle="--", linewidth=1.0,
+                     label="generalisation-gap alarm" if j == 0 else None)
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss (nats per target token)")
+    lr_axis = axis.twinx()
+    lr_steps, lrs = _finite([r["step"] for r in train], [r.get("lr") for r in train])
+    lr_axis.plot(lr_steps, lrs, color="gray", linestyle=":", linewidth=1.2, label="learning rate (right axis)")
+    lr_axis.set_ylabel("learning rate")
+    lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    lines = axis.get_legend_handles_labels()
+    lr_lines = lr_axis.get_legend_handles_labels()
+    axis.legend(lines[0] + lr_lines[0], lines[1] + lr_lines[1], fontsize=8, loc="upper right")
+    axis.grid(alpha=0.3)
+    axis.set_title(title or "loss", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
+
+
+def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
+    """Each job's train-loss curve (left) and held-out evaluations (right), one colour per job,
+    labelled with its overrides. jobs: {"label": str, "records": metrics records}."""
+    jobs = [j for j in jobs if any("loss" in r for r in j["records"])]
+    if not jobs:
+        return None
+    plt = _pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for i, job in enumerate(jobs):
+        colour = f"C{i % 10}"
+        train = sorted((r for r in job["records"] if "loss" in r), key=lambda r: r["step"])
+        left.plot(*_finite([r["step"] for r in train], [r["loss"] for r in train]), color=colour, linewidth=1.0,
+                  label=job["label"])
+        evals = sorted((r for r in job["records"] if "heldout_loss" in r), key=lambda r: r["step"])
+        right.plot(*_finite([r["step"] for r in evals], [r["heldout_loss"] for r in evals]), color=colour,
+                   marker="o", markersize=4, label=job["label"])
+    left.set_title("train loss per step", fontsize=10)
+    right.set_title("held-out loss (token-weighted mean over sets)", fontsize=10)
+    for axis in (left, right):
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    left.set_ylabel("loss (nats per target token)")
+    left.legend(fontsize=8)
+    figure.suptitle(title or "sweep", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)

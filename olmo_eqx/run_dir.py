@@ -1,0 +1,156 @@
+"""A run directory's one writer: every stage writes its config, summary, printed log, metrics
+and other files through a `RunDir`, never by opening files of its own.
+
+    run = RunDir(path, log_name="train.log", loggers=("jsonl", "tensorboard"))
+    run.print("step 1 | loss 8.3")          # stdout and the log file
+    run.metrics({"step": 1, "loss": 8.3})   # fanned out to the sinks (olmo_eqx/sinks.py)
+    run.write_config(config)                # config.json
+    run.write_summary(summary)              # summary.json (what a sweep's table reads)
+    run.close()
+
+In multi-process runs only process 0 writes (`enabled=False` elsewhere: every call is a no-op,
+so callers need no `if main_process`). Files are created on first write, so a run that is
+refused before it writes anything leaves none of them behind.
+"""
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+
+from olmo_eqx.sinks import MetricSink, make_sinks
+
+CONFIG_FILE = "config.json"
+# Every stage's summary (a JSON object) lands here, in its run directory.
+SUMMARY_FILE = "summary.json"
+
+
+def _jsonable(data: Any) -> Any:
+    return dataclasses.asdict(data) if dataclasses.is_dataclass(data) and not isinstance(data, type) else data
+
+
+class RunDir:
+    """Process 0's outputs in one run directory (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        enabled: bool = True,
+        log_name: Optional[str] = None,
+        loggers: tuple[str, ...] = (),
+        sink_config: Optional[dict] = None,
+    ):
+        """log_name: the file `print` appends to (None: print only); loggers: metric sinks,
+        opened on the first `metrics` call (sink_config: the run config W&B records)."""
+        self.path = Path(path).resolve()
+        self.enabled = enabled
+        self._log_name, self._log = log_name, None
+        self._loggers, self._sink_config = tuple(loggers), sink_config
+        self._sinks: Optional[list[MetricSink]] = None
+
+    def _ensure(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def file(self, name: str) -> Path:
+        """Where `name` lives in this run dir (for writers of their own format: checkpoints, plots)."""
+        return self.path / name
+
+    def print(self, text: str, *, error: bool = False) -> None:
+        """Print (stdout, or stderr with error=True) and append to the log file."""
+        if not self.enabled:
+            return
+        print(text, flush=True, file=sys.stderr if error else sys.stdout)
+        if self._log_name is not None:
+            if self._log is None:
+                self._ensure()
+                self._log = open(self.path / self._log_name, "a")
+            self._log.write(text + "\n")
+            self._log.flush()
+
+    def metrics(self, record: dict) -> None:
+        """One record (with an integer "step") to every sink."""
+        if not self.enabled or not self._loggers:
+            return
+        if self._sinks is None:
+            self._ensure()
+            self._sinks = make_sinks(self._loggers, self.path, self._sink_config)
+        for sink in self._sinks:
+            sink.write(record)
+
+    def write_json(self, name: str, data: Any) -> Path:
+        path = self.path / name
+        if self.enabled:
+            self._ensure()
+            path.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+        return path
+
+    def write_text(self, name: str, text: str) -> Path:
+        path = self.path / name
+        if self.enabled:
+            self._ensure()
+            path.write_text(text)
+        return path
+
+    def write_config(self, config: Any) -> Path:
+        return self.write_json(CONFIG_FILE, config)
+
+    def write_summary(self, summary: dict) -> Path:
+        return self.write_json(SUMMARY_FILE, summary)
+
+    def close(self) -> None:
+        for sink in self._sinks or []:
+            sink.close()
+        self._sinks = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# Files Hydra itself puts into a run dir before the stage runs.
+_HYDRA_FILES = {".hydra", "olmo_eqx.log"}
+# run dir -> the outermost directory this invocation created for it (outputs/<date>/ on a new day).
+_new_run_dirs: dict[Path, Path] = {}
+
+
+class NoteNewRunDir(Callback):
+    """Hydra callback (conf/config.yaml): remember whether this invocation's run dir is new, so
+    a refused invocation can remove the directory Hydra made for it."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        path = top = Path(str(config.hydra.run.dir)).resolve()
+        if path.exists():
+            return
+        while not top.parent.exists():
+            top = top.parent
+        _new_run_dirs[path] = top
+
+
+def remove_if_new_and_empty(path: Path) -> bool:
+    """Remove `path` if this invocation created it and it holds only Hydra's own files (an
+    empty olmo_eqx.log at most); True when removed. A directory that existed before, or that
+    holds anything a stage wrote, is never touched."""
+    path = Path(path).resolve()
+    if path not in _new_run_dirs or not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    if any(p.name not in _HYDRA_FILES for p in entries) or any(p.is_file() and p.stat().st_size for p in entries):
+        return False
+    top = _new_run_dirs[path]
+    shutil.rmtree(path)
+    while path != top:  # the parents made for it, if nothing else has landed there since
+        path = path.parent
+        if any(path.iterdir()):
+            break
+        path.rmdir()
+    return True
