@@ -1,8 +1,9 @@
-"""The end-of-sweep table: one row per job with its overrides and final losses.
+"""The end-of-sweep table and plot: one row (and one curve) per job.
 
 Registered as a Hydra callback in `conf/config.yaml` (`hydra.callbacks.sweep_summary`); it
-reads what each job left in its own directory (`.hydra/overrides.yaml`, `summary.json`), so it
-works whatever launched the jobs.
+reads what each job left in its own directory (`.hydra/overrides.yaml`, `summary.json`,
+`metrics.jsonl`), so it works whatever launched the jobs. It writes `sweep_summary.json` and
+`sweep.png` (each job's train and held-out loss curves) into the sweep dir through a `RunDir`.
 """
 
 import json
@@ -13,8 +14,10 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-# Every stage's summary (a JSON object) lands here, in its run directory.
-SUMMARY_FILE = "summary.json"
+from olmo_eqx.run_dir import SUMMARY_FILE, RunDir
+from olmo_eqx.sinks import METRICS_FILE
+
+PLOT_FILE = "sweep.png"
 # A sweep job that failed leaves its one-line error here instead.
 ERROR_FILE = "error.txt"
 
@@ -40,7 +43,9 @@ def collect(sweep_dir: Path) -> list[dict]:
                 "overrides": " ".join(o for o in overrides if not str(o).startswith("+stage=")),
                 "status": "ok" if summary is not None and error is None else "failed",
                 "error": error,
-                "train_loss": None if summary is None else summary.get("final_train_loss"),
+                # Mean of the last trainer.log_every steps; summaries written before it had its
+                # name called it final_train_loss.
+                "train_loss": None if summary is None else summary.get("train_loss_mean_last_n", summary.get("final_train_loss")),
                 "heldout_loss": None if summary is None else summary.get("final_heldout_loss"),
             }
         )
@@ -48,7 +53,7 @@ def collect(sweep_dir: Path) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("job", "overrides", "train loss", "held-out loss", "status")
+    header = ("job", "overrides", "train loss (mean of last N steps)", "held-out loss", "status")
     body = [
         (r["job"], r["overrides"] or "(none)", _loss(r["train_loss"]), _loss(r["heldout_loss"]), r["status"])
         for r in rows
@@ -59,16 +64,31 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> Optional[Path]:
+    """sweep.png: every job's curves from its metrics.jsonl, labelled by its overrides."""
+    from olmo_eqx.plots import read_metrics, sweep_plot
+
+    jobs = []
+    for row in rows:
+        metrics = Path(row["dir"]) / METRICS_FILE
+        if metrics.exists():
+            jobs.append({"label": f"{row['job']}: {row['overrides'] or '(none)'}", "records": read_metrics(metrics)})
+    return sweep_plot(jobs, path, title=f"sweep {path.parent}")
+
+
 class SweepSummary(Callback):
-    """Print (and save as sweep_summary.json) the table of a finished sweep."""
+    """Print (and save as sweep_summary.json) the table of a finished sweep; draw sweep.png."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir).resolve()
-        rows = collect(sweep_dir)
+        out = RunDir(Path(config.hydra.sweep.dir))
+        rows = collect(out.path)
         if not rows:
             return
-        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"\nSweep summary ({sweep_dir}):\n{format_table(rows)}", flush=True)
+        out.write_json("sweep_summary.json", rows)
+        drawn = plot(rows, out.file(PLOT_FILE))
+        out.print(f"\nSweep summary ({out.path}):\n{format_table(rows)}")
+        if drawn is not None:
+            out.print(f"plot: {drawn}")
         failed = [r for r in rows if r["status"] != "ok"]
         if failed:
             for row in failed:

@@ -14,7 +14,6 @@ optimiser state (zero Adam moments, step 0): an anneal from it starts its optimi
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -54,9 +53,9 @@ class Soup:
 
         from olmo_eqx.checkpoint import Checkpointer
         from olmo_eqx.config import config_to_dict
+        from olmo_eqx.run_dir import RunDir
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
         from olmo_eqx.stages import StageError
-        from olmo_eqx.sweep import SUMMARY_FILE
 
         from olmo_eqx_plugins.anneal import fresh_state
 
@@ -81,10 +80,11 @@ class Soup:
             raise StageError(str(e)) from e
         rules = ShardingRules()
         total = sum(weights)
-        if main_process:
-            print(f"soup of {len(locations)} checkpoint(s) of {model_config.name} on mesh {dict(mesh.shape)}:", flush=True)
-            for location, weight in zip(locations, weights):
-                print(f"  {weight / total:.4f} x {location}", flush=True)
+        # Everything above refuses bad input before the run dir gets a file (soup.log included).
+        out = RunDir(run_dir, enabled=main_process, log_name="soup.log")
+        out.print(f"soup of {len(locations)} checkpoint(s) of {model_config.name} on mesh {dict(mesh.shape)}:")
+        for location, weight in zip(locations, weights):
+            out.print(f"  {weight / total:.4f} x {location}")
 
         model = average_checkpoints(locations, weights, model_config, mesh, rules)
         config = dataclasses.replace(config, model=model_config, stage=settings)
@@ -101,11 +101,10 @@ class Soup:
             "devices": jax.device_count(),
             "run_dir": str(run_dir),
         }
-        if main_process:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
-            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-            print(f"soup written to {summary['checkpoint']}", flush=True)
+        out.write_config(config_to_dict(config))
+        out.write_summary(summary)
+        out.print(f"soup written to {summary['checkpoint']}")
+        out.close()
         return summary
 
 

@@ -85,7 +85,14 @@ def task_metrics(requests: list[Request], scores: RequestScores) -> dict:
         bpb.append(-ll[gold] / math.log(2) / max(gold_bytes, 1))
     multiple_choice = any(len(rows) > 1 for rows in docs.values())
     metrics = {key: (float(np.mean(v)) if multiple_choice else None) for key, v in correct.items()}
+    # Accuracy of guessing uniformly: the mean of 1 / choices over the questions.
+    metrics["chance"] = float(np.mean([1.0 / len(rows) for rows in docs.values()])) if multiple_choice else None
     metrics["bpb"] = float(np.mean(bpb))
+    # Standard error of the mean over questions (40 questions at 50% accuracy: +-0.079).
+    n = len(docs)
+    for key, v in correct.items():
+        metrics[f"{key}_stderr"] = float(np.std(v, ddof=1) / math.sqrt(n)) if multiple_choice and n > 1 else None
+    metrics["bpb_stderr"] = float(np.std(bpb, ddof=1) / math.sqrt(n)) if n > 1 else None
     metrics["docs"] = len(docs)
     metrics["requests"] = len(requests)
     return metrics
@@ -106,8 +113,27 @@ def evaluate_task(
     return row, scores
 
 
+# OLMES's metric names -> the keys of a task's row.
+_OLMES = {"acc_raw": "acc", "acc_per_token": "acc_per_token", "acc_per_char": "acc_per_char"}
+
+
+def primary_key(row: dict) -> str:
+    """The key of the task's one primary metric in its row: OLMES's primary metric (its task
+    config names it) when we compute it, else raw accuracy; bits per byte for tasks without
+    choices. Every table (eval, summary, compare) shows this one."""
+    if row.get("acc") is None:
+        return "bpb"
+    return _OLMES.get(row.get("primary_metric") or "", "acc")
+
+
+def primary_score(row: dict) -> dict:
+    """{"metric", "value", "stderr", "chance"} of the task's primary metric (chance: None for bpb)."""
+    key = primary_key(row)
+    return {"metric": key, "value": row.get(key), "stderr": row.get(f"{key}_stderr"),
+            "chance": row.get("chance") if key != "bpb" else None}
+
+
 def gold_accuracy(row: dict, metric: Optional[str] = None) -> Optional[float]:
     """The accuracy a table shows for a task: OLMES's primary metric when it is one of ours."""
-    mapping = {"acc_raw": "acc", "acc_per_token": "acc_per_token", "acc_per_char": "acc_per_char"}
-    key = mapping.get(metric or row.get("primary_metric") or "", "acc")
+    key = _OLMES.get(metric, "acc") if metric else primary_key(row)
     return row.get(key)

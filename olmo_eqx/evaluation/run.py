@@ -5,10 +5,15 @@
     run_compare(config, run_dir)   the four-surface parity report of `checkpoint.load` (A)
                                    against `stage.against` (B)
 
-Both print their tables and write JSON into the run directory (process 0 only).
+Both print their tables and write JSON into the run directory (process 0 only), through the
+run directory's one writer (`olmo_eqx.run_dir.RunDir`): eval.log / compare.log, eval.json /
+compare.json, summary.json, and one metrics record per evaluated model to the sinks of
+`trainer.loggers` (metrics.jsonl, TensorBoard, W&B), at the checkpoint's step.
+
+Every table names each task's one primary metric (OLMES's, `downstream.primary_key`) with its
+standard error and chance level, and shows the same numbers as summary.json and compare.
 """
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +24,7 @@ import jax
 import numpy as np
 
 from olmo_eqx.config import Config, config_to_dict
-from olmo_eqx.evaluation.downstream import evaluate_task, gold_accuracy
+from olmo_eqx.evaluation.downstream import evaluate_task, primary_score
 from olmo_eqx.evaluation.heldout import build_heldout_sets, evaluate_heldout, evaluate_kl
 from olmo_eqx.evaluation.load import (
     EvalError,
@@ -35,9 +40,8 @@ from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
 from olmo_eqx.evaluation.settings import CompareSettings, EvalSettings
 from olmo_eqx.evaluation.tokens import TextTokenizer
 from olmo_eqx.models.olmo3 import OLMo
+from olmo_eqx.run_dir import RunDir
 from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
-
-SUMMARY_FILE = "summary.json"
 
 
 def find_tokenizer(source: ModelSource, explicit: Optional[str], config: Config, vocab_size: int) -> Optional[Path]:
@@ -103,33 +107,37 @@ def load_tasks(settings: EvalSettings, say: Callable[[str], None]) -> list[Task]
 class Evaluator:
     """Shared pieces of one evaluation run: the mesh, the scorer, the held-out sets, the tasks."""
 
-    def __init__(self, config: Config, settings: EvalSettings, run_dir: Path):
+    def __init__(self, config: Config, settings: EvalSettings, run_dir: Path, stage: str):
         maybe_initialize_distributed()
         self.config, self.settings = config, settings
-        self.run_dir = Path(run_dir).resolve()
         self.main = jax.process_index() == 0
         self.mesh = make_mesh(config.mesh)
         self.rules = ShardingRules()
         self.scorer = Scorer(self.mesh, self.rules)
         self.batch_size = round_batch_size(settings.batch_size, self.mesh, self.rules)
         self.heldout_batch_size = round_batch_size(config.data.global_batch_size, self.mesh, self.rules)
-        if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.run_dir / "eval.log", "a") if self.main else None
+        self.out = RunDir(run_dir, enabled=self.main, log_name=f"{stage}.log", loggers=config.trainer.loggers,
+                          sink_config=config_to_dict(config) | {"stage": asdict(settings)})
+        self.run_dir = self.out.path
 
     def say(self, text: str) -> None:
-        if self.main:
-            print(text, flush=True)
-            self._log.write(text + "\n")
-            self._log.flush()
+        self.out.print(text)
 
     def close(self) -> None:
-        if self._log is not None:
-            self._log.close()
+        self.out.close()
 
     def write_json(self, name: str, data: dict) -> None:
-        if self.main:
-            (self.run_dir / name).write_text(json.dumps(data, indent=2) + "\n")
+        self.out.write_json(name, data)
+
+    def log_metrics(self, results: dict, prefix: str = "eval") -> None:
+        """One record of a model's results to the metric sinks, at its checkpoint's step."""
+        record: dict = {"step": int(results.get("step") or 0)}
+        for row in results["heldout"]:
+            record[f"{prefix}/heldout/{row['set']}"] = {"loss": row["loss"], "perplexity": row["perplexity"], "bpb": row["bpb"]}
+        for row in results["downstream"]:
+            score = primary_score(row)
+            record[f"{prefix}/downstream/{row['task']}"] = {score["metric"]: score["value"], "bpb": row["bpb"]}
+        self.out.metrics(record)
 
     def heldout_sets(self, vocab_size: int):
         data = self.config.data
@@ -145,19 +153,25 @@ class Evaluator:
         max_length = settings.max_length or model.config.max_sequence_length
         byte_lengths = subject.tokenizer.byte_lengths if subject.tokenizer else None
         heldout = []
-        for heldout_set in sets:
+        for i, heldout_set in enumerate(sets, 1):
             started = time.perf_counter()
             row = evaluate_heldout(self.scorer, model, heldout_set, self.heldout_batch_size,
                                    settings.heldout_batches, byte_lengths)
             row["seconds"] = time.perf_counter() - started
             heldout.append(row)
+            # Progress: a compile and a pass per set take seconds to a minute on a CPU.
+            self.say(f"{subject.name}: held-out set {i}/{len(sets)} {row['set']}: loss {row['loss']:.4f} "
+                     f"({row['tokens']:,} target tokens, {row['seconds']:.1f}s)")
         downstream = []
         if tasks and subject.tokenizer is None:
             self.say(f"{subject.name}: downstream tasks skipped: the model's tokenizer is unknown (set stage.tokenizer)")
         elif tasks:
-            for task in tasks:
+            for i, task in enumerate(tasks, 1):
                 row, _ = evaluate_task(self.scorer, model, subject.tokenizer, task, self.batch_size, max_length)
                 downstream.append(row)
+                score = primary_score(row)
+                self.say(f"{subject.name}: task {i}/{len(tasks)} {row['task']}: {score['metric']} "
+                         f"{score['value']:.4f} ({row['docs']} questions, {row['seconds']:.1f}s)")
         n_requests = sum(r["requests"] for r in downstream)
         seconds = sum(r["seconds"] for r in downstream)
         return {
@@ -187,11 +201,19 @@ def heldout_table(rows: list[dict]) -> str:
 
 
 def downstream_table(rows: list[dict]) -> str:
-    return table(
-        ["task", "format", "docs", "acc", "acc/token", "acc/char", "gold bits/byte"],
-        [[r["task"], r["format"].upper(), r["docs"], r["acc"], r["acc_per_token"], r["acc_per_char"], r["bpb"]]
-         for r in rows],
-    )
+    """Per task: its primary metric (named), value, standard error, chance; then every metric."""
+    body = []
+    for r in rows:
+        p = primary_score(r)
+        body.append([r["task"], r["format"].upper(), r["docs"], p["metric"], p["value"], p["stderr"], p["chance"],
+                     r["acc"], r["acc_per_token"], r["acc_per_char"], r["bpb"]])
+    return table(["task", "format", "docs", "primary metric", "score", "± s.e.", "chance", "acc", "acc/token",
+                  "acc/char", "gold bits/byte"], body)
+
+
+def downstream_summary(rows: list[dict]) -> dict:
+    """summary.json's view of the tasks: the primary metric of each, as the tables show it."""
+    return {r["task"]: primary_score(r) for r in rows}
 
 
 def _require_load(config: Config, stage: str) -> str:
@@ -207,7 +229,7 @@ def run_eval(config: Config, run_dir: Path, settings: Optional[EvalSettings] = N
     settings = settings if settings is not None else (config.stage if isinstance(config.stage, EvalSettings) else EvalSettings())
     path = _require_load(config, "eval")
     started = time.perf_counter()
-    ev = Evaluator(config, settings, run_dir)
+    ev = Evaluator(config, settings, run_dir, "eval")
     try:
         subject = load_subject(path, None, settings.tokenizer, config, ev.mesh, ev.rules)
         ev.say(f"eval: {subject.name} ({subject.source.kind}, {subject.model.config.name}) | tokenizer "
@@ -225,19 +247,26 @@ def run_eval(config: Config, run_dir: Path, settings: Optional[EvalSettings] = N
             t = results["throughput"]
             ev.say(f"\n{t['requests']} requests in {t['seconds']:.1f}s: {t['requests_per_s']:.1f} requests/s "
                    f"(batch {t['batch_size']}, max length {t['max_length']}, compilation included)")
+        first = results["heldout"][0] if results["heldout"] else None
         summary = {
             "model": subject.name,
-            "heldout_loss": results["heldout"][0]["loss"] if results["heldout"] else None,
+            "step": subject.source.step,
+            "heldout_loss": first["loss"] if first else None,
+            # The target tokens that loss covers (stage.heldout_batches batches of the set): the
+            # training summary's final_heldout_loss covers trainer.eval_batches batches.
+            "heldout_tokens": first["tokens"] if first else None,
             # The key a sweep's table reads (`-m +stage=eval checkpoint.load=a,b` compares runs).
-            "final_heldout_loss": results["heldout"][0]["loss"] if results["heldout"] else None,
-            "heldout": {r["set"]: r["loss"] for r in results["heldout"]},
-            "downstream": {r["task"]: gold_accuracy(r) for r in results["downstream"]},
+            "final_heldout_loss": first["loss"] if first else None,
+            "heldout": {r["set"]: {"loss": r["loss"], "tokens": r["tokens"], "perplexity": r["perplexity"],
+                                   "bpb": r["bpb"]} for r in results["heldout"]},
+            "downstream": downstream_summary(results["downstream"]),
             "requests_per_s": results["throughput"]["requests_per_s"],
             "wall_time_s": results["wall_time_s"],
             "results": str(ev.run_dir / "eval.json"),
         }
         ev.write_json("eval.json", results)
-        ev.write_json(SUMMARY_FILE, summary)
+        ev.out.write_summary(summary)
+        ev.log_metrics(results)
         ev.say(f"\nresults: {ev.run_dir / 'eval.json'} ({results['wall_time_s']:.1f}s)")
         return summary
     finally:
@@ -251,8 +280,9 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
     if not settings.against:
         raise EvalError("compare needs a second model: stage.against=<run dir | checkpoints dir | step dir | HF dir>")
     started = time.perf_counter()
-    ev = Evaluator(config, settings, run_dir)
+    ev = Evaluator(config, settings, run_dir, "compare")
     try:
+        ev.say(f"compare: loading A ({path_a}) and B ({settings.against})")
         a = load_subject(path_a, settings.name_a, settings.tokenizer, config, ev.mesh, ev.rules)
         b = load_subject(settings.against, settings.name_b, settings.tokenizer_b or settings.tokenizer, config,
                          ev.mesh, ev.rules)
@@ -270,9 +300,14 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
                f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
         tasks = load_tasks(settings, ev.say)
         sets = ev.heldout_sets(a.model.config.vocab_size)
+        ev.say(f"compare: A, {len(sets)} held-out set(s) and {len(tasks)} task(s)")
         result_a = ev.evaluate(a, sets, tasks)
+        ev.say(f"compare: B, {len(sets)} held-out set(s) and {len(tasks)} task(s)")
         result_b = ev.evaluate(b, sets, tasks)
-        kl = [evaluate_kl(ev.scorer, a.model, b.model, s, ev.heldout_batch_size, settings.heldout_batches) for s in sets]
+        kl = []
+        for i, heldout_set in enumerate(sets, 1):
+            kl.append(evaluate_kl(ev.scorer, a.model, b.model, heldout_set, ev.heldout_batch_size, settings.heldout_batches))
+            ev.say(f"compare: KL(A||B) on set {i}/{len(sets)} {heldout_set.name}: {kl[-1]['kl']:.4f}")
 
         domains = []
         for ra, rb, rk in zip(result_a["heldout"], result_b["heldout"], kl):
@@ -285,20 +320,24 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
             })
         tasks_rows = []
         for ra, rb in zip(result_a["downstream"], result_b["downstream"]):
-            acc_a, acc_b = gold_accuracy(ra), gold_accuracy(rb)
+            pa, pb = primary_score(ra), primary_score(rb)
             tasks_rows.append({
                 "task": ra["task"], "format": ra["format"], "docs": ra["docs"],
-                "metric": ra.get("primary_metric") or "acc_raw",
-                "acc_a": acc_a, "acc_b": acc_b, "acc_diff": diff(acc_a, acc_b),
+                # The task's one primary metric (as in eval's table and summary.json): acc_a/acc_b
+                # hold its values (bits per byte for a task without choices).
+                "metric": pa["metric"], "chance": pa["chance"],
+                "acc_a": pa["value"], "acc_b": pb["value"], "acc_diff": diff(pa["value"], pb["value"]),
+                "stderr_a": pa["stderr"], "stderr_b": pb["stderr"],
                 "bpb_a": ra["bpb"], "bpb_b": rb["bpb"], "bpb_diff": diff(ra["bpb"], rb["bpb"]),
             })
         mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731
+        accuracy_rows = [r for r in tasks_rows if r["metric"] != "bpb"]
         surfaces = {
             "heldout_loss": {"set": domains[0]["set"], "a": domains[0]["loss_a"], "b": domains[0]["loss_b"],
                              "diff": domains[0]["loss_diff"]} if domains else None,
-            "downstream_accuracy": {"a": mean([r["acc_a"] for r in tasks_rows if r["acc_a"] is not None]),
-                                    "b": mean([r["acc_b"] for r in tasks_rows if r["acc_b"] is not None]),
-                                    "tasks": len(tasks_rows)} if tasks_rows else None,
+            "downstream_accuracy": {"a": mean([r["acc_a"] for r in accuracy_rows]),
+                                    "b": mean([r["acc_b"] for r in accuracy_rows]),
+                                    "tasks": len(accuracy_rows)} if accuracy_rows else None,
             "domain_perplexity": {r["set"]: {"a": r["perplexity_a"], "b": r["perplexity_b"]} for r in domains},
             "kl": {"mean": mean([r["kl"] for r in domains]), "per_set": {r["set"]: r["kl"] for r in domains}},
         }
@@ -316,7 +355,7 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
             overview.append([f"held-out loss ({h['set']})", h["a"], h["b"], h["diff"]])
         if surfaces["downstream_accuracy"]:
             s = surfaces["downstream_accuracy"]
-            overview.append([f"downstream accuracy (mean of {s['tasks']} tasks)", s["a"], s["b"], s["diff"]])
+            overview.append([f"downstream accuracy (mean of {s['tasks']} tasks' primary metrics)", s["a"], s["b"], s["diff"]])
         for r in domains:
             overview.append([f"perplexity ({r['set']})", r["perplexity_a"], r["perplexity_b"], r["perplexity_diff"]])
         if domains:
@@ -328,10 +367,11 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
                 [[r["set"], r["tokens"], r["loss_a"], r["loss_b"], r["loss_diff"], r["perplexity_a"],
                   r["perplexity_b"], r["bpb_a"], r["bpb_b"], r["kl"]] for r in domains])))
         if tasks_rows:
-            sections.append(("Downstream tasks", table(
-                ["task", "format", "docs", "metric", "acc A", "acc B", "A - B", "bpb A", "bpb B"],
-                [[r["task"], r["format"].upper(), r["docs"], r["metric"], r["acc_a"], r["acc_b"], r["acc_diff"],
-                  r["bpb_a"], r["bpb_b"]] for r in tasks_rows])))
+            sections.append(("Downstream tasks (each task's primary metric, ± its standard error)", table(
+                ["task", "format", "docs", "primary metric", "chance", "A", "± s.e. A", "B", "± s.e. B", "A - B",
+                 "bpb A", "bpb B"],
+                [[r["task"], r["format"].upper(), r["docs"], r["metric"], r["chance"], r["acc_a"], r["stderr_a"],
+                  r["acc_b"], r["stderr_b"], r["acc_diff"], r["bpb_a"], r["bpb_b"]] for r in tasks_rows])))
         for title, text in sections:
             md += [f"## {title}", "", text, ""]
         plot_note = None
@@ -340,8 +380,7 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
         md.append(f"Plot: {'compare_domains.png' if plot_note is None and domains else 'skipped: ' + str(plot_note or 'no held-out sets')}")
         markdown = "\n".join(md) + "\n"
         ev.say("\n" + markdown)
-        if ev.main:
-            (ev.run_dir / "compare.md").write_text(markdown)
+        ev.out.write_text("compare.md", markdown)
         report = {"a": result_a, "b": result_b, "surfaces": surfaces, "domains": domains, "tasks": tasks_rows,
                   "kl": kl, "settings": asdict(settings), "wall_time_s": time.perf_counter() - started,
                   "plot": str(ev.run_dir / "compare_domains.png") if plot_note is None and domains else None,
@@ -349,7 +388,9 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
         ev.write_json("compare.json", report)
         summary = {"a": name_a, "b": name_b, "surfaces": surfaces, "wall_time_s": report["wall_time_s"],
                    "report": str(ev.run_dir / "compare.md"), "results": str(ev.run_dir / "compare.json")}
-        ev.write_json(SUMMARY_FILE, summary)
+        ev.out.write_summary(summary)
+        ev.log_metrics(result_a, prefix="compare/a")
+        ev.log_metrics(result_b, prefix="compare/b")
         ev.say(f"report: {ev.run_dir / 'compare.md'} | {ev.run_dir / 'compare.json'} ({report['wall_time_s']:.1f}s)")
         return summary
     finally:
