@@ -13,7 +13,7 @@ value in metrics.jsonl. Booleans and strings are left to metrics.jsonl.
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, runtime_checkable
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -21,6 +21,7 @@ WANDB_DIR = "wandb"
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
+@runtime_checkable
 class MetricSink(Protocol):
     def write(self, record: dict) -> None: ...
 

@@ -24,17 +24,19 @@ def test_no_stage_lists_installed_stages():
         ("trainer.stepz=3", "trainer.stepz"),  # a typo
         ("trainer.steps=abc", "trainer.steps"),  # a wrong type
         ("model.param_dtype=float16", "model.param_dtype"),  # outside a Literal's choices
+        ("trainer.loggers=[jsonl,csv]", "trainer.loggers"),  # no such metric sink
     ],
 )
 def test_bad_config_fails_before_work_naming_the_key(tmp_path, override, key):
-    result = olmo_eqx(*TINY, override, f"hydra.run.dir={tmp_path}")
+    run_dir = tmp_path / "outputs" / "run"
+    result = olmo_eqx(*TINY, override, f"hydra.run.dir={run_dir}")
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert key in output, output
-    # Nothing ran: no training line, no metrics, no checkpoint.
+    # Nothing ran, and the refused invocation leaves no directory behind (not even the one
+    # Hydra made for it).
     assert "parameters" not in output
-    assert not (tmp_path / "metrics.jsonl").exists()
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_default_config_is_the_zoo_tiny_model_and_the_recipe():

@@ -1,12 +1,18 @@
-"""The pretrain stage end to end on the nano model: learning, artifacts, exact resume,
-interruption by SIGTERM, a refused mismatched checkpoint, and a two-job sweep."""
+"""The pretrain stage end to end on the nano model: learning, artifacts (metrics in JSON lines,
+TensorBoard and W&B, loss.png, a profile), exact resume, interruption by SIGTERM, a refused
+mismatched checkpoint, and a two-job sweep (with sweep.png)."""
 
+import glob
 import json
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 import jax
 import pytest
@@ -63,12 +69,46 @@ def checkpoint_steps(run_dir) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
+# The reference run also feeds every metric sink and profiles three steps (none of which
+# changes a training number: the resume test compares against it bit for bit).
+SINKS = ["trainer.loggers=[jsonl,tensorboard,wandb]", "trainer.profile_steps=[4,6]"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """One complete 12-step run (shared by the tests that compare against it)."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    summary = train(compose_config(TINY), run_dir)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")  # never the network, even where an API key is set
+        env.setenv("WANDB_SILENT", "true")
+        summary = train(compose_config(TINY + SINKS), run_dir)
     return run_dir, summary
+
+
+def wandb_history(path) -> list[dict]:
+    """The logged rows of a W&B run file (`run-*.wandb`): LevelDB-log-framed protobuf `Record`s
+    (32 KiB blocks, 7-byte chunk headers: crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", "not a W&B run file"
+    rows, chunks, pos, block = [], [], 7, 32 * 1024
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind == 0 and length == 0):  # block trailer padding
+            pos += left
+            continue
+        chunks.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
 
 
 def test_pretrain_learns_and_writes_its_artifacts(uninterrupted):
@@ -85,6 +125,43 @@ def test_pretrain_learns_and_writes_its_artifacts(uninterrupted):
     assert on_disk["tokens_per_s"] > 0 and on_disk["mfu"] > 0
     assert checkpoint_steps(run_dir) == [6, 12]
     assert json.loads((run_dir / "config.json").read_text())["model"]["name"] == "olmo3_nano"
+
+
+def test_every_sink_holds_the_metrics_of_metrics_jsonl(uninterrupted):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    run_dir, _ = uninterrupted
+    metrics = read_metrics(run_dir)
+    heldout = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "heldout_loss" in r}
+    # TensorBoard's own reader; event files store float32, so compare the float32 of each value.
+    events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    for tag in ("loss", "grad_norm", "lr"):
+        assert {e.step: e.value for e in events.Scalars(tag)} == {s: float(np.float32(m[tag])) for s, m in metrics.items()}
+    assert {e.step: e.value for e in events.Scalars("heldout/python-stdlib-heldout")} == {
+        s: float(np.float32(r["heldout"]["python-stdlib-heldout"])) for s, r in heldout.items()}
+    # W&B (offline) keeps doubles: the same numbers exactly.
+    (wandb_file,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = wandb_history(wandb_file)
+    assert {r["_step"]: r["loss"] for r in rows if "loss" in r} == {s: m["loss"] for s, m in metrics.items()}
+    assert {r["_step"]: r["heldout_loss"] for r in rows if "heldout_loss" in r} == {
+        s: r["heldout_loss"] for s, r in heldout.items()}
+
+
+def test_loss_plot_and_a_profile_of_three_steps(uninterrupted):
+    from jax.profiler import ProfileData
+
+    run_dir, _ = uninterrupted
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (xplane,) = glob.glob(str(run_dir / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    events = [e.name for plane in ProfileData.from_file(xplane).planes for line in plane.lines for e in line.events]
+    # The Python tracer's frames of olmo_eqx/train/step.py's train_step: one per step 4, 5, 6.
+    assert sum(bool(re.fullmatch(r"\$step\.py:\d+ train_step", name)) for name in events) == 3
+    (perfetto,) = glob.glob(str(run_dir / "profile" / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+    import gzip
+
+    assert json.load(gzip.open(perfetto))["traceEvents"]
 
 
 def test_stop_and_resume_is_bitwise_identical(uninterrupted, tmp_path):
@@ -147,6 +224,8 @@ def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path, one_dev
     for job in ("0", "1"):
         summary = json.loads((tmp_path / job / "summary.json").read_text())
         assert summary["stage_completed"] and summary["final_heldout_loss"] is not None
+        assert (tmp_path / job / "loss.png").exists()
+    assert (tmp_path / "sweep.png").stat().st_size > 0
     table = result.stdout[result.stdout.index("Sweep summary"):]
     assert "optim.lr=0.001" in table and "optim.lr=0.003" in table
     assert "held-out loss" in table

@@ -9,7 +9,8 @@ opens in https://ui.perfetto.dev. Process 0 only.
 """
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import jax
 

@@ -2,9 +2,9 @@
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import numpy as np
