@@ -165,6 +165,19 @@ def test_eval_stage_runs_through_the_cli(tmp_path_factory, tmp_path):
     assert all(0.0 <= r["acc"] <= 1.0 and r["bpb"] > 0 for r in rows.values())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_loss"] == sets["python-stdlib-heldout"]["loss"] and summary["requests_per_s"] > 0
+    # Both held-out figures say which tokens they cover: here the same first batch of the set.
+    training = json.loads((run / "summary.json").read_text())
+    assert summary["heldout_tokens"] == training["final_heldout_tokens"] == sets["python-stdlib-heldout"]["tokens"]
+    # The table names each task's primary metric, with its standard error and chance level,
+    # and summary.json holds the same numbers.
+    assert "| primary metric | score  | ± s.e. | chance |" in result.stdout
+    assert summary["downstream"]["toy_qa/rc_0shot"]["metric"] == "acc_per_char"  # OLMES's primary metric
+    for task, row in rows.items():
+        score = summary["downstream"][task]
+        assert score == {"metric": score["metric"], "value": row[score["metric"]],
+                         "stderr": row[f"{score['metric']}_stderr"], "chance": row["chance"]}
+        assert score["chance"] == pytest.approx(0.25 if task.startswith("toy_qa") else 0.5)
+    assert "toy_qa/rc_0shot: acc_per_char" in result.stdout  # progress, task by task
 
 
 def test_eval_without_a_model_says_what_to_give(tmp_path):

@@ -54,21 +54,20 @@ def embedded_domain_sets(corpus, sequence_length: int, vocab_size: int, work_dir
 def build_heldout_sets(
     named_globs: dict[str, str],
     data_source: str,
-    data_heldout: Optional[str],
+    data_heldout: dict[str, str],
     sequence_length: int,
     vocab_size: int,
     work_dir: Optional[Path] = None,
     domains: bool = True,
 ) -> list[HeldOutSet]:
     """The sets to evaluate: `named_globs` (name -> glob of token files) when given, else the
-    run's own held-out data (`data.heldout`, or the embedded corpus's split and its domains)."""
+    run's own held-out data (`data.heldout`, name -> glob, under the names training logs them
+    by; or the embedded corpus's split and its domains)."""
     try:
-        if named_globs:
-            return [HeldOutSet(name, InstanceDataset([source_from_paths(name, glob)], sequence_length, vocab_size))
-                    for name, glob in named_globs.items()]
-        if data_heldout:
-            return [HeldOutSet("heldout", InstanceDataset([source_from_paths("heldout", data_heldout)],
-                                                          sequence_length, vocab_size))]
+        for globs in (named_globs, data_heldout):
+            if globs:
+                return [HeldOutSet(name, InstanceDataset([source_from_paths(name, glob)], sequence_length, vocab_size))
+                        for name, glob in globs.items()]
         if data_source != "embedded":
             return []
         from olmo_eqx.data.embedded import embedded_corpus
