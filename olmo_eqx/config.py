@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.zoo import ZOO
+from olmo_eqx.run_dir import default_run_dir
 from olmo_eqx.sharding import MeshConfig
 from olmo_eqx.stages import stage_config_class, stage_entry_points
 from olmo_eqx.train.gap_alarm import GapAlarmConfig
@@ -363,6 +364,8 @@ def register_configs() -> None:
     third-party stage needs no YAML file. (Registering both a file and an entry would make
     Hydra validate one against the other, a deprecated behaviour that warns.)
     """
+    # hydra.run.dir's default (conf/config.yaml): eval/compare output next to the model.
+    OmegaConf.register_new_resolver("olmo_eqx_run_dir", default_run_dir, replace=True)
     store = ConfigStore.instance()
     store.store(name="olmo_eqx_schema", node=schema_of(Config))
     for name, model in ZOO.items():

@@ -154,3 +154,25 @@ def remove_if_new_and_empty(path: Path) -> bool:
             break
         path.rmdir()
     return True
+
+
+# Stages whose output belongs to the model they read (checkpoint.load), not to a new run.
+_BESIDE_THE_MODEL = ("eval", "compare")
+
+
+def default_run_dir(stage: Optional[str], load: Optional[str], fallback: str) -> str:
+    """The run dir when none is given (`hydra.run.dir` in conf/config.yaml, the resolver
+    `olmo_eqx_run_dir`): eval and compare of one of our runs write next to it, as
+    `<run>.<stage>` (`<run>.<stage>-step<N>` for one step dir), so the results sit beside the
+    model and a rerun replaces them; everything else (and an HF model dir, often shared or
+    read-only) gets `fallback`, Hydra's `outputs/<date>/<time>`."""
+    if stage not in _BESIDE_THE_MODEL or not load or "://" in load:
+        return fallback
+    path, suffix = Path(load).expanduser().resolve(), ""
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        path, suffix = path.parent.parent, f"-step{path.name}"
+    elif path.name == "checkpoints":
+        path = path.parent
+    if not (path / CONFIG_FILE).is_file() or not (path / "checkpoints").is_dir():
+        return fallback  # not a run dir of ours
+    return str(path.parent / f"{path.name}.{stage}{suffix}")

@@ -145,11 +145,12 @@ def test_batches_share_one_row_per_context_for_multiple_choice(tmp_path, tokeniz
 def test_eval_stage_runs_through_the_cli(tmp_path_factory, tmp_path):
     run = tiny_run(tmp_path_factory)
     tasks = write_toy_tasks(tmp_path / "tasks")
-    out = tmp_path / "eval"
+    # No hydra.run.dir: eval of one of our runs writes next to it, <run>.eval.
+    out = run.parent / f"{run.name}.eval"
     result = olmo_eqx("+stage=eval", f"checkpoint.load={run}", f"stage.tasks_dir={tasks}", f"stage.tasks={TOY_TASKS}",
-                      "stage.heldout_batches=1", "stage.batch_size=8", "data.sequence_length=64",
-                      f"hydra.run.dir={out}")
+                      "stage.heldout_batches=1", "stage.batch_size=8", "data.sequence_length=64", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert not (tmp_path / "outputs").exists()
     assert "| held-out set" in result.stdout and "| toy_qa/mc_5shot" in result.stdout and "requests/s" in result.stdout
     results = json.loads((out / "eval.json").read_text())
     assert results["step"] == 12 and results["kind"] == "checkpoint"

@@ -196,7 +196,7 @@ class Evaluator:
 
 
 def heldout_table(rows: list[dict]) -> str:
-    return table(["held-out set", "tokens", "loss", "perplexity", "bits/byte"],
+    return table(["held-out set", "target tokens", "loss", "perplexity", "bits/byte"],
                  [[r["set"], r["tokens"], r["loss"], r["perplexity"], r["bpb"]] for r in rows])
 
 
