@@ -19,6 +19,17 @@ def _pyplot():
     return plt
 
 
+def _save(plt, figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)  # pyplot keeps every open figure alive otherwise
+    return Path(path)
+
+
+def _train_records(records: list[dict]) -> list[dict]:
+    return sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl in order, a step's later train record replacing the earlier
     one (after a hard kill the steps since the last checkpoint were written twice)."""
@@ -45,7 +56,7 @@ def _finite(xs, ys):
 def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path]:
     """Train loss per step, held-out loss per set at each evaluation, LR on a second axis and
     gap-alarm events as vertical lines. None when there is nothing to draw."""
-    train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    train = _train_records(records)
     if not train:
         return None
     plt = _pyplot()
@@ -75,10 +86,7 @@ def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path
     axis.legend(lines[0] + lr_lines[0], lines[1] + lr_lines[1], fontsize=8, loc="upper right")
     axis.grid(alpha=0.3)
     axis.set_title(title or "loss", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return Path(path)
+    return _save(plt, figure, path)
 
 
 def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
@@ -91,7 +99,7 @@ def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for i, job in enumerate(jobs):
         colour = f"C{i % 10}"
-        train = sorted((r for r in job["records"] if "loss" in r), key=lambda r: r["step"])
+        train = _train_records(job["records"])
         left.plot(*_finite([r["step"] for r in train], [r["loss"] for r in train]), color=colour, linewidth=1.0,
                   label=job["label"])
         evals = sorted((r for r in job["records"] if "heldout_loss" in r), key=lambda r: r["step"])
@@ -105,7 +113,4 @@ def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
     left.set_ylabel("loss (nats per target token)")
     left.legend(fontsize=8)
     figure.suptitle(title or "sweep", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return Path(path)
+    return _save(plt, figure, path)
