@@ -2,8 +2,8 @@
 
 The four-surface parity report between two models (ours or HF): held-out loss, downstream
 accuracy per task, per-domain perplexity and token-level KL divergence, side by side with
-differences, as `compare.md` and `compare.json` (plus `compare_domains.png` when matplotlib is
-installed). See docs/evaluation.md.
+differences, as `compare.md`, `compare.json` and `compare_domains.png`, in `<A's run>.compare/`
+unless hydra.run.dir says otherwise. See docs/evaluation.md.
 """
 
 from pathlib import Path

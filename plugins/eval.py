@@ -1,7 +1,9 @@
 """`python -m olmo_eqx +stage=eval checkpoint.load=<run dir | checkpoints dir | step dir | HF dir>`.
 
 Held-out loss, perplexity and bits per byte per set, and OLMES downstream tasks (RC and MC),
-printed as tables and written to `eval.json` in the run directory. See docs/evaluation.md.
+printed as tables (each task's primary metric named, with its standard error and chance) and
+written to `eval.json` and `summary.json` in the run directory: `<run>.eval/` next to a run of
+ours unless hydra.run.dir says otherwise. See docs/evaluation.md.
 """
 
 from pathlib import Path
