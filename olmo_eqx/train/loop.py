@@ -93,6 +93,19 @@ def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, 
     return train, heldout
 
 
+DOLMA2_EOS = 100257  # OLMo 3's tokenizer (allenai/dolma2-tokenizer)
+
+
+def document_options(data: DataConfig) -> dict:
+    """How batches mark documents (`global_batch_arrays` keywords): nothing unless document masking."""
+    if not data.document_masking:
+        return {}
+    eos = data.eos_token_id
+    if eos is None:
+        eos = embedded_corpus().eos_id if data.source == "embedded" else DOLMA2_EOS
+    return {"eos_id": eos, "reset_positions": data.reset_positions_per_document}
+
+
 # ---------------------------------------------------------------------------------------------
 # Interruption
 
@@ -369,11 +382,14 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
     """The loop proper, from `start_step` to `trainer.stop_at or trainer.steps`."""
     trainer, data = config.trainer, config.data
     sharding = batch_sharding(mesh, rules)
+    documents = document_options(data)
     # The first `eval_batches` batches of every held-out set, on the devices once.
     eval_batches: dict[str, list[dict]] = {}
     for heldout_set in heldout if trainer.eval_every else []:
         batches = heldout_set.batches(data.global_batch_size, jax.process_index(), jax.process_count())
-        eval_batches[heldout_set.name] = [global_batch_arrays(b, sharding) for b in islice(batches, trainer.eval_batches)]
+        eval_batches[heldout_set.name] = [
+            global_batch_arrays(b, sharding, **documents) for b in islice(batches, trainer.eval_batches)
+        ]
     train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
     eval_step = make_eval_step(mesh, rules)
 
@@ -500,7 +516,7 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
     interrupted = None
     pending: Optional[tuple[int, dict]] = None
     loop_started = time.perf_counter()
-    to_global = lambda b: global_batch_arrays(b, sharding)  # noqa: E731  (runs in the prefetch thread)
+    to_global = lambda b: global_batch_arrays(b, sharding, **documents)  # noqa: E731  (runs in the prefetch thread)
     with stop_on_signals() as stop, Prefetcher(loader, depth=2, transform=to_global) as batches:
         for step in range(start_step + 1, end_step + 1):
             state, metrics = train_step(state, next(batches))
