@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
 from olmo_eqx.config import Config, DataConfig, config_to_dict
 from olmo_eqx.data.embedded import embedded_corpus
@@ -183,7 +184,7 @@ class MetricsLog:
                 file.close()
 
 
-def evaluate(eval_step, model, sets: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
+def evaluate(eval_step, model, sets: dict[str, list[TokenBatch]]) -> dict[str, tuple[float, float]]:
     """Per held-out set: (mean cross-entropy over its batches, number of target tokens)."""
     results = {}
     for name, batches in sets.items():
@@ -384,7 +385,7 @@ def _run(config, run_dir, *, state, start_step, loader, heldout, mesh, rules, sc
     sharding = batch_sharding(mesh, rules)
     documents = document_options(data)
     # The first `eval_batches` batches of every held-out set, on the devices once.
-    eval_batches: dict[str, list[dict]] = {}
+    eval_batches: dict[str, list[TokenBatch]] = {}
     for heldout_set in heldout if trainer.eval_every else []:
         batches = heldout_set.batches(data.global_batch_size, jax.process_index(), jax.process_count())
         eval_batches[heldout_set.name] = [
