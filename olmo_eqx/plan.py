@@ -238,7 +238,7 @@ def plan(overrides: list[str], devices: int) -> dict:
     elif batch_shards < devices:
         warnings.append(
             f"each sequence is computed on {devices // batch_shards} devices (the batch is split {batch_shards} ways "
-            "over data x fsdp; the other axes shard heads/MLP instead)"
+            "over data x fsdp; context splits each sequence, tensor its heads and MLP)"
         )
     # Float tensors only: the embedding lookup all-gathers the int32 token ids (4 bytes a
     # token) so each device can gather its slice of d_model for them, which is cheap.
