@@ -103,4 +103,4 @@ def test_collectives_count_loop_iterations():
     assert traffic["all-gather"] == {"count": 6, "bytes": 6 * 64 * 4}  # 6 trips of the loop body
     assert traffic["reduce-scatter"] == {"count": 1, "bytes": 64 * 4}  # the input it reduces
     assert traffic["all-reduce"] == {"count": 1, "bytes": 8 * 4}
-    assert gathered == [("f32", (64,))] and not unknown
+    assert [g[:2] for g in gathered] == [("f32", (64,))] and not unknown

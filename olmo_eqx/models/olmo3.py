@@ -107,10 +107,10 @@ def rope_inverse_frequencies(config: ModelConfig, *, yarn: bool) -> tuple[np.nda
 class Rope(eqx.Module):
     """cos/sin tables for one sequence layout, shared by every layer of one attention kind."""
 
-    cos: Float[Array, "batch seq head_dim"]
-    sin: Float[Array, "batch seq head_dim"]
+    cos: Float[Array, "#batch seq head_dim"]
+    sin: Float[Array, "#batch seq head_dim"]
 
-    def __init__(self, positions: Int[Array, "batch seq"], config: ModelConfig, *, yarn: bool):
+    def __init__(self, positions: Int[Array, "#batch seq"], config: ModelConfig, *, yarn: bool):
         inv_freq, scale = rope_inverse_frequencies(config, yarn=yarn)
         angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
         angles = jnp.concatenate([angles, angles], axis=-1)
@@ -284,8 +284,10 @@ class OLMo(eqx.Module):
     ) -> Float[Array, "batch seq d_model"]:
         """The final-normed hidden states, which the head turns into logits."""
         config = self.config
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if positions is None:  # one row of RoPE tables, broadcast over the batch
+            positions = jnp.arange(tokens.shape[1])[None, :]
+        else:
+            positions = constrain(positions, ("batch", "sequence"))
         # Pinned here: otherwise the gather may inherit the embedding table's layout
         # (d_model over "fsdp") and every device would compute the whole global batch.
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
