@@ -21,7 +21,8 @@ DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n
 class GenerateSettings:
     """What `+stage=generate` completes, and how."""
 
-    # Prompts (text); an empty prompt starts from the EOS token.
+    # Prompts (text; "\n" written as \n on the command line is a newline); an empty prompt
+    # starts from the EOS token.
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     # A file of prompts, added after `prompts`: .jsonl (a JSON string or {"prompt": ...} per
     # line) or text (one prompt per line, "\n" written as \n).
@@ -98,7 +99,8 @@ class Generate:
         tokenizer = subject.tokenizer
         if tokenizer is None:
             raise EvalError(f"{subject.name}: the model's tokenizer is unknown; set stage.tokenizer=<tokenizer.json>")
-        prompts = list(settings.prompts) + (read_prompts(settings.prompts_file) if settings.prompts_file else [])
+        prompts = [p.replace("\\n", "\n") for p in settings.prompts]
+        prompts += (read_prompts(settings.prompts_file) if settings.prompts_file else [])
         if not prompts:
             raise EvalError("no prompts: set stage.prompts=[...] or stage.prompts_file=<file>")
         if any(not p for p in prompts) and tokenizer.eos_id is None:

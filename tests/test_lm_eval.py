@@ -70,24 +70,27 @@ def setup(tmp_path_factory):
     return run, lm, document, tasks
 
 
-def _evaluate(lm, tasks: Path, names: list[str]) -> dict:
+@pytest.fixture(scope="module")
+def samples(setup) -> dict:
+    """lm-eval's logged requests and responses of the three toy tasks, from one evaluation."""
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=TaskManager(include_path=str(tasks)),
-                                   log_samples=True, bootstrap_iters=0)
+    _, lm, _, tasks = setup
+    return lm_eval.simple_evaluate(model=lm, tasks=["toy_mc", "toy_rolling", "toy_gen"], log_samples=True,
+                                   task_manager=TaskManager(include_path=str(tasks)), bootstrap_iters=0)["samples"]
 
 
-def test_loglikelihoods_equal_the_eval_stage_per_request(setup, tmp_path):
+def test_loglikelihoods_equal_the_eval_stage_per_request(setup, samples, tmp_path):
     from olmo_eqx.evaluation import read_task, score_requests
     from olmo_eqx.evaluation.scoring import Scorer
 
-    _, lm, _, tasks = setup
-    samples = _evaluate(lm, tasks, ["toy_mc"])["samples"]["toy_mc"]
+    _, lm, _, _ = setup
+    task_samples = samples["toy_mc"]
     ours_requests = read_task(write_toy_tasks(tmp_path / "olmes"), "toy_qa/rc_0shot").requests
     ours, _ = score_requests(Scorer(lm.mesh), lm.model, lm.tokenizer, list(ours_requests), 8, 256)
     expected = {(r.doc_id, r.choice): float(lp) for r, lp in zip(ours_requests, ours.logprob)}
     got = {}
-    for sample in samples:
+    for sample in task_samples:
         for choice, (arguments, response) in enumerate(zip(sample["arguments"], sample["resps"])):
             context, continuation = arguments[0], arguments[1]
             assert (context, continuation) == (QUESTIONS[sample["doc_id"]][0], " " + QUESTIONS[sample["doc_id"]][1][choice])
@@ -97,7 +100,7 @@ def test_loglikelihoods_equal_the_eval_stage_per_request(setup, tmp_path):
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-5), key
 
 
-def test_loglikelihood_rolling_gives_the_heldout_loss(setup, tmp_path):
+def test_loglikelihood_rolling_gives_the_heldout_loss(setup, samples, tmp_path):
     from olmo_eqx.data.heldout import HeldOutSet
     from olmo_eqx.data.instances import InstanceDataset
     from olmo_eqx.data.mixes import source_from_paths
@@ -105,9 +108,9 @@ def test_loglikelihood_rolling_gives_the_heldout_loss(setup, tmp_path):
     from olmo_eqx.evaluation.heldout import evaluate_heldout
     from olmo_eqx.evaluation.scoring import Scorer
 
-    _, lm, document, tasks = setup
-    samples = _evaluate(lm, tasks, ["toy_rolling"])["samples"]["toy_rolling"]
-    rolling = float(samples[0]["resps"][0][0])
+    _, lm, document, _ = setup
+    task_samples = samples["toy_rolling"]
+    rolling = float(task_samples[0]["resps"][0][0])
     # The eval stage's held-out loss on one instance [EOS] + document: every document token is
     # a target, conditioned on EOS and what precedes it, as in lm-eval's first rolling window.
     path = write_token_file(tmp_path / "doc.npy", np.asarray([lm.eot_token_id] + document), lm.model.config.vocab_size)
@@ -127,13 +130,13 @@ def test_loglikelihood_rolling_gives_the_heldout_loss(setup, tmp_path):
     assert windowed < 0 and windowed != pytest.approx(rolling, rel=1e-6)
 
 
-def test_generate_until_is_olmo_eqx_generate_cut_at_the_stop(setup):
+def test_generate_until_is_olmo_eqx_generate_cut_at_the_stop(setup, samples):
     import olmo_eqx
 
-    _, lm, _, tasks = setup
-    samples = _evaluate(lm, tasks, ["toy_gen"])["samples"]["toy_gen"]
-    assert len(samples) == len(QUESTIONS)
-    for sample in samples:
+    _, lm, _, _ = setup
+    task_samples = samples["toy_gen"]
+    assert len(task_samples) == len(QUESTIONS)
+    for sample in task_samples:
         prompt = QUESTIONS[sample["doc_id"]][0]
         new = olmo_eqx.generate(lm.model, [lm.tok_encode(prompt)], 12, stop_ids=[lm.eot_token_id])[0]
         assert sample["resps"][0][0] == lm.tok_decode(new).split("\n\n")[0]
