@@ -6,6 +6,8 @@ weights through `load_hf`. HF generates each prompt alone (no padding); ours run
 left-padded batch, so positions and padding masks are tested too.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,3 +120,36 @@ def test_sharded_generation_on_8_devices_gives_the_same_tokens(models):
     placed = jax.device_put(ours, model_shardings(ours, mesh))
     # 4 prompts on 8 batch shards: padded with dummy rows, which never come back.
     assert olmo_eqx.generate(placed, PROMPTS, 6, mesh=mesh) == olmo_eqx.generate(ours, PROMPTS, 6)
+
+
+def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path):
+    """`+stage=generate` on a pretrain run: prompts from the command line and a JSONL file (an
+    empty one starts from EOS), decoded with the run's tokenizer, equal to the library's greedy."""
+    from clihelp import olmo_eqx as cli
+    from evalhelp import tiny_run
+    from olmo_eqx.evaluation import TextTokenizer, load_model, resolve_model_source
+    from olmo_eqx.sharding import MeshConfig, make_mesh
+
+    run = tiny_run(tmp_path_factory)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps("") + "\n")
+    out = tmp_path / "out"
+    result = cli("+stage=generate", f"checkpoint.load={run}", 'stage.prompts=["def f(x):\\n    return"]',
+                 f"stage.prompts_file={prompts_file}", "stage.max_new_tokens=8", f"hydra.run.dir={out}",
+                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = json.loads((out / "generations.json").read_text())
+    prompts = [c["prompt"] for c in written["completions"]]
+    assert prompts == ["def f(x):\n    return", "import os\n", ""]
+    assert written["step"] == 12 and all(c["new_tokens"] <= 8 for c in written["completions"])
+    for c in written["completions"]:
+        assert c["prompt"] + c["completion"] in result.stdout
+
+    model = load_model(resolve_model_source(str(run)), make_mesh(MeshConfig(), devices=jax.devices()[:1]))
+    tokenizer = TextTokenizer(written["tokenizer"])
+    ids = [i or [tokenizer.eos_id] for i in tokenizer.encode_batch(prompts)]
+    expected = olmo_eqx.generate(model, ids, 8, stop_ids=[tokenizer.eos_id])
+    assert [c["completion"] for c in written["completions"]] == [tokenizer.decode(t) for t in expected]
+
+    missing = cli("+stage=generate", f"hydra.run.dir={tmp_path / 'none'}")
+    assert missing.returncode == 2 and "checkpoint.load=<run dir" in missing.stderr
