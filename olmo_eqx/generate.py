@@ -16,9 +16,9 @@ same way); padding slots are never attended to.
   s - window + 1 .. s (a window includes the query itself).
 
 The decode loop is one `lax.while_loop` compiled once per (batch, padded prompt length,
-max_new_tokens): no Python and no host round trip per token (on CPU, dispatching a jitted step
-from Python per token costs about as much as the tiny model's step itself), and it stops as
-soon as every row has produced a stop id. `prefill` and `decode_step` are the same two
+max_new_tokens), rather than a jitted step called from Python per token: no dispatch and no
+host round trip per token (a small model's step is short enough for those to matter), and
+the stop test runs on the device, so the loop ends as soon as every row has produced a stop id. `prefill` and `decode_step` are the same two
 functions the loop runs, public for tests and custom loops.
 """
 
@@ -314,6 +314,8 @@ def generate(
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1]")
     prompts = [list(map(int, p)) for p in prompt_ids]
+    if not prompts:
+        raise ValueError("generate: prompt_ids is empty; give at least one prompt")
     vocab = model.config.vocab_size
     bad = next(((r, t) for r, p in enumerate(prompts) for t in p if not 0 <= t < vocab), None)
     if bad is not None:
