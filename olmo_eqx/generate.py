@@ -18,9 +18,9 @@ same way); padding slots are never attended to.
 The decode loop is one `lax.while_loop` compiled once per (batch, padded prompt length,
 max_new_tokens), rather than a jitted step called from Python per token: no dispatch and no
 host round trip per token (olmo3_tiny on 2 CPU cores, batch 1: 1,310 tokens/s against 1,026
-for a Python loop of the jitted `decode_step`), and
-the stop test runs on the device, so the loop ends as soon as every row has produced a stop id. `prefill` and `decode_step` are the same two
-functions the loop runs, public for tests and custom loops.
+for a Python loop of the jitted `decode_step`), and the stop test runs on the device, so the
+loop ends as soon as every row has produced a stop id. `prefill` and `decode_step` are the
+same two functions the loop runs, public for tests and custom loops.
 """
 
 from collections.abc import Sequence
