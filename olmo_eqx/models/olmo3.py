@@ -161,6 +161,18 @@ class Attention(eqx.Module):
         mask: AttentionMask,
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
+        q, k, v = self.project(x, rope, config=config, constrain=constrain)
+        context = attend(q, k, v, mask, implementation=config.attention_impl, constrain=constrain)
+        return self.output(constrain(context, HEADS))
+
+    def project(
+        self, x: Float[Array, "batch seq d_model"], rope: Rope, *, config: ModelConfig, constrain: Constrain = unconstrained
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """q, k, v after QK-norm and RoPE (k and v are what a KV cache keeps: `olmo_eqx.generate`)."""
         batch, seq, _ = x.shape
         # The names mark what the "save_projections" remat policy keeps for the backward pass.
         q = checkpoint_name(x @ self.q_proj.astype(x.dtype), "q_proj")
@@ -169,9 +181,13 @@ class Attention(eqx.Module):
         q = constrain(rope(self.q_norm(q).reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
         k = constrain(rope(self.k_norm(k).reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
         v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
-        context = attend(q, k, v, mask, implementation=config.attention_impl, constrain=constrain)
-        context = checkpoint_name(constrain(context, HEADS), "attention_context")
-        return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(x.dtype), "o_proj")
+        return q, k, v
+
+    def output(self, context: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq d_model"]:
+        """The output projection of the attention context."""
+        batch, seq = context.shape[:2]
+        context = checkpoint_name(context, "attention_context")
+        return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(context.dtype), "o_proj")
 
 
 class MLP(eqx.Module):
@@ -222,6 +238,15 @@ class Block(eqx.Module):
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
         attention = self.attention(x, rope, config=config, mask=mask, constrain=constrain)
+        return self.after_attention(x, attention, constrain)
+
+    def after_attention(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        attention: Float[Array, "batch seq d_model"],
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        """The rest of the block once attention's output is known (the KV-cached decode shares it)."""
         h = constrain(x + self.attention_norm(attention), HIDDEN)
         return constrain(h + self.mlp_norm(self.mlp(h, constrain)), HIDDEN)
 
