@@ -1,6 +1,7 @@
 """olmo_eqx: train the OLMo family of language models in JAX with Equinox."""
 
 from .flops import flops_per_token
+from .generate import generate
 from .hf import load_hf, save_hf
 from .models.config import ModelConfig, YarnConfig
 from .models.olmo3 import OLMo, count_params, with_config
@@ -13,6 +14,7 @@ __all__ = [
     "ZOO",
     "count_params",
     "flops_per_token",
+    "generate",
     "get_model_config",
     "load_hf",
     "save_hf",

@@ -42,6 +42,10 @@ from .train.state import TrainState
 # Fields that change how a model runs but not its weights; a checkpoint may be restored
 # under different values (same list as `olmo3.with_config` allows).
 RUNTIME_FIELDS = ("attention_impl", "remat", "compute_dtype", "loss_chunk_size")
+# The one list of model fields that may differ between a checkpoint and the config that
+# resumes or continues it: how the model runs, and what a later stage may change without
+# touching a weight's shape (stage 3 turns on YaRN and raises the context length).
+CONTINUABLE_FIELDS = RUNTIME_FIELDS + ("yarn", "max_sequence_length")
 
 # Written by Orbax into a step directory as the last act of a save (all storage backends).
 COMMIT_MARKER = "commit_success.txt"
@@ -113,7 +117,7 @@ def check_model_config(stored: ModelConfig, requested: ModelConfig, where: str =
     differing = [
         f"{f.name}: {where} has {getattr(stored, f.name)!r}, requested {getattr(requested, f.name)!r}"
         for f in dataclasses.fields(ModelConfig)
-        if f.name not in RUNTIME_FIELDS and getattr(stored, f.name) != getattr(requested, f.name)
+        if f.name not in CONTINUABLE_FIELDS and getattr(stored, f.name) != getattr(requested, f.name)
     ]
     if differing:
         raise CheckpointMismatchError(

@@ -73,12 +73,21 @@ class DataConfig:
     seed: int = 34521
     # Zero the loss of instances with >= 32 repeats of an n-gram (OLMo 3's instance filter).
     filter_repeated_ngrams: bool = False
+    # Intra-document masking (OLMo 3 stage 3): tokens attend only within their document,
+    # documents split after each EOS token. RoPE positions keep running across documents
+    # (as in the 2025 OLMo 3 runs) unless reset_positions_per_document.
+    document_masking: bool = False
+    reset_positions_per_document: bool = False
+    # The EOS id that ends documents; None: the embedded corpus' own, else dolma2's 100257.
+    eos_token_id: Optional[int] = None
 
     def __post_init__(self):
         if self.sequence_length < 2:
             raise ValueError(f"sequence_length={self.sequence_length} must be >= 2")
         if self.global_batch_size < 1:
             raise ValueError(f"global_batch_size={self.global_batch_size} must be >= 1")
+        if self.reset_positions_per_document and not self.document_masking:
+            raise ValueError("reset_positions_per_document=true needs document_masking=true")
 
 
 @dataclass(frozen=True)

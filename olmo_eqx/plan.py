@@ -91,12 +91,12 @@ def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]]) -> int 
     return constants[0] if len(constants) == 1 and len(condition) <= 4 else None
 
 
-def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple[int, ...]]], bool]:
+def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple[int, ...], str]], bool]:
     """Per collective kind: {count, bytes} per step, with while-loop trip counts applied.
 
     Bytes are those of the full tensor each op produces (all-gather, all-reduce) or consumes
     (reduce-scatter: its input): what a ring moves through every device, to a factor (n-1)/n.
-    Also returns the shapes all-gathered, and whether some loop's trip count was unknown
+    Also returns what is all-gathered, (dtype, shape, jax op name), and whether some loop's trip count was unknown
     (then the figures are lower bounds).
     """
     instructions: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # computation -> (kind, shape, rest)
@@ -158,7 +158,8 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
             traffic[base]["count"] += runs[name]
             traffic[base]["bytes"] += runs[name] * _nbytes(shapes)
             if base == "all-gather":
-                gathered.extend(_shapes(shape))
+                op = re.search(r'op_name="([^"]*)"', rest)
+                gathered.extend((dtype, dims, op.group(1) if op else "?") for dtype, dims in _shapes(shape))
     return traffic, gathered, unknown_trip
 
 
@@ -238,15 +239,17 @@ def plan(overrides: list[str], devices: int) -> dict:
     elif batch_shards < devices:
         warnings.append(
             f"each sequence is computed on {devices // batch_shards} devices (the batch is split {batch_shards} ways "
-            "over data x fsdp; the other axes shard heads/MLP instead)"
+            "over data x fsdp; context splits each sequence, tensor its heads and MLP)"
         )
     # Float tensors only: the embedding lookup all-gathers the int32 token ids (4 bytes a
     # token) so each device can gather its slice of d_model for them, which is cheap.
-    batch_gathers = [s for s in gathered if s[0] in ("bf16", "f16", "f32") and s[1][:2] == shape]
+    batch_gathers = [g for g in gathered if g[0] in ("bf16", "f16", "f32") and g[1][:2] == shape]
     if batch_gathers:
+        dtype, dims, op = batch_gathers[0]
         warnings.append(
-            f"{len(batch_gathers)} all-gather(s) of batch-sized activations (e.g. {batch_gathers[0][0]}{list(batch_gathers[0][1])}): "
-            "the batch is replicated somewhere in the step"
+            f"{len(batch_gathers)} all-gather(s) of batch-sized float tensors, e.g. {dtype}{list(dims)} "
+            f"({dims[0] * dims[1] * (dims[2] if len(dims) > 2 else 1) * _BYTES[dtype] / GIB:.2f} GiB) from `{op}`: "
+            "every device holds that tensor for the whole global batch"
         )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

@@ -24,45 +24,52 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from .models.config import ModelConfig
 from .models.olmo3 import LogicalAxes, abstract_model, logical_axes, unconstrained
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the mesh axes; exactly one may be -1, meaning "all remaining devices"."""
+    """Sizes of the mesh axes; exactly one may be -1, meaning "all remaining devices".
+
+    `context` > 1 splits every sequence over that many devices (context parallelism, for long
+    sequences): activations are sharded along the sequence and attention all-gathers K/V.
+    """
 
     data: int = 1
     fsdp: int = -1
+    context: int = 1
     tensor: int = 1
 
-    def shape(self, n_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tensor]
+    def shape(self, n_devices: int) -> tuple[int, ...]:
+        sizes = [self.data, self.fsdp, self.context, self.tensor]
+        described = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, sizes))
         if sizes.count(-1) > 1:
-            raise ValueError(f"mesh: at most one axis may be -1 (got data={self.data}, fsdp={self.fsdp}, tensor={self.tensor})")
+            raise ValueError(f"mesh: at most one axis may be -1 (got {described})")
         known = math.prod(s for s in sizes if s != -1)
         if any(s == 0 or s < -1 for s in sizes) or n_devices % known:
             raise ValueError(
-                f"mesh: data={self.data} x fsdp={self.fsdp} x tensor={self.tensor} does not fit {n_devices} devices; "
+                f"mesh: {described} does not fit {n_devices} devices; "
                 "choose sizes whose product divides the device count (use -1 for one axis to take the rest)"
             )
         sizes = [n_devices // known if s == -1 else s for s in sizes]
         if math.prod(sizes) != n_devices:
+            resolved = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, sizes))
             raise ValueError(
-                f"mesh: data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} "
-                f"but there are {n_devices} devices; set one axis to -1 or make the product match"
+                f"mesh: {resolved} = {math.prod(sizes)} but there are {n_devices} devices; "
+                "set one axis to -1 or make the product match"
             )
         return tuple(sizes)
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Optional[list] = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices of all processes).
+    """A ("data", "fsdp", "context", "tensor") mesh over `devices` (default: every device).
 
     Axis types are *Auto* (GSPMD propagation): jax >= 0.10 defaults to Explicit, under which
     a matmul over a sharded contracting dimension fails without an explicit out_sharding.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = config.shape(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ class ShardingRules:
     # every data-parallel axis; the model dimension stays whole (FSDP gathers weights, not
     # activations); heads, MLP hidden and vocab follow tensor parallelism.
     batch: tuple[str, ...] = ("data", "fsdp")
-    sequence: Optional[str] = None
+    sequence: Optional[str] = "context"
     act_embed: Optional[str] = None
     act_heads: Optional[str] = "tensor"
     act_kv_heads: Optional[str] = "tensor"

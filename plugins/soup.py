@@ -57,7 +57,7 @@ class Soup:
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
         from olmo_eqx.stages import StageError
 
-        from olmo_eqx_plugins.anneal import fresh_state
+        from olmo_eqx.warm_start import fresh_state
 
         maybe_initialize_distributed()
         settings = config.stage if isinstance(config.stage, SoupSettings) else build(SoupSettings, config.stage or {}, "stage")

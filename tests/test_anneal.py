@@ -81,11 +81,12 @@ def test_anneal_cli_on_one_device_from_an_8_device_checkpoint(pretrained, tmp_pa
 
 def _initial_state(pretrained, overrides):
     """The state the anneal would start from (what the loop's init_state hook returns)."""
-    from olmo_eqx_plugins.anneal import AnnealSettings, _source
+    from olmo_eqx.warm_start import source as warm_start_source
+    from olmo_eqx_plugins.anneal import AnnealSettings
 
     config = compose_config(ANNEAL + [f"checkpoint.load={pretrained}"] + overrides)
     settings = AnnealSettings(**config.stage)
-    source = _source(config, settings)
+    source = warm_start_source("anneal", config, settings.optimizer)
     mesh, rules = make_mesh(config.mesh), ShardingRules()
     return source.init_state(config, mesh, rules), config, mesh, rules
 
@@ -135,3 +136,26 @@ def test_checkpoint_paths_are_forgiving(pretrained, tmp_path):
         anneal([], tmp_path / "no_load")
     with pytest.raises(StageError, match="checkpoint.load: no complete checkpoint"):
         anneal([f"checkpoint.load={tmp_path / 'empty'}"], tmp_path / "bad_load")
+
+
+def test_long_context_from_a_checkpoint_with_context_parallelism(pretrained, tmp_path, capsys):
+    """Stage 3 on the 8 test devices split fsdp 4 x context 2: YaRN from the source's sequence
+    length, 4x the sequence, document masking, the optimiser kept, LR warmup then exactly 0."""
+    overrides = [
+        "+stage=long_context", "model=olmo3_nano", f"checkpoint.load={pretrained}",
+        "data.sequence_length=256", "data.global_batch_size=4", "mesh.fsdp=4", "mesh.context=2",
+        "trainer.steps=3", "schedule.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=3", "trainer.eval_batches=1",
+    ]
+    config = compose_config(overrides)
+    assert config.data.document_masking and config.optim.lr == 2.07e-4
+    summary = load_stage("long_context").run(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "(weights and optimiser state)" in out and "mesh {'data': 1, 'fsdp': 4, 'context': 2, 'tensor': 1}" in out
+    assert "held-out loss at sequence length 256" in out
+    assert np.isfinite(summary["heldout_loss_before"]) and np.isfinite(summary["final_heldout_loss"])
+    with Checkpointer(tmp_path / "checkpoints", keep_last=None, read_only=True) as checkpointer:
+        model = checkpointer.stored_model_config()
+    assert model.yarn.factor == 8.0 and model.yarn.original_max_position_embeddings == 64  # the pretrain's sequence
+    assert model.max_sequence_length >= 256
+    lrs = [m["lr"] for _, m in sorted(read_metrics(tmp_path).items())]
+    assert lrs[-1] == 0.0 and max(lrs) == pytest.approx(2.07e-4)

@@ -202,3 +202,33 @@ def test_remat_policies_change_nothing(pair):
         for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(base_grads)):
             a, b = np.asarray(a), np.asarray(b)
             assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), f"remat={policy} changed a gradient"
+
+
+DOCUMENTS = (7, 20, 13)  # one longer than the window; sums to SEQ
+
+
+@pytest.mark.parametrize("reset_positions", [False, True], ids=["positions-continue", "positions-reset"])
+def test_packed_documents_match_each_document_alone(pair, reset_positions):
+    """Intra-document masking: every document of a packed row gives the logits HF gives that
+    document on its own, with position_ids continuing across documents (the 2025 OLMo 3 runs)
+    or restarting at 0 (OLMo-core since May 2026)."""
+    from olmo_eqx.batch import document_layout
+
+    case, hf_model, ours, tokens = pair
+    eos = VOCAB - 1
+    ends = np.cumsum(DOCUMENTS)
+    row = tokens[:1].copy()
+    row[row == eos] = 0
+    row[0, ends - 1] = eos  # each document ends with its EOS
+    segment_ids, positions = document_layout(row, eos, reset_positions=reset_positions)
+    model = jax.jit(lambda m, t, p, s: m(t, p, segment_ids=s))
+    for impl in ("auto", "reference"):
+        got = np.asarray(model(with_config(ours, attention_impl=impl), jnp.asarray(row),
+                               None if positions is None else jnp.asarray(positions), jnp.asarray(segment_ids)))
+        for start, end in zip(ends - DOCUMENTS, ends):
+            doc_positions = np.arange(end - start) if reset_positions else np.arange(start, end)
+            with torch.no_grad():
+                expected = hf_model(torch.as_tensor(row[:, start:end]),
+                                    position_ids=torch.as_tensor(doc_positions)[None]).logits.numpy()
+            err = np.abs(got[:, start:end] - expected).max() / np.abs(expected).max()
+            assert err <= 1e-5, f"{case.id} {impl}: document [{start}, {end}) differs by {err:.2e}"

@@ -233,11 +233,31 @@ def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path, one_dev
     assert [r["status"] for r in rows] == ["ok", "ok"]
 
 
-def test_two_processes_train_like_one(uninterrupted, tmp_path):
+def test_sweep_through_the_submitit_launcher(tmp_path, one_device):
+    """`hydra/launcher=submitit_local`: the submitit launcher (the one submitit_slurm is) runs a
+    2-job sweep for real, each job in its own submitit process and directory; one table."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    args = [a for a in TINY if not a.startswith("trainer.steps")] + ["trainer.steps=4", "trainer.eval_every=4"]
+    result = olmo_eqx("-m", "hydra/launcher=submitit_local", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}",
+                      "hydra.launcher.timeout_min=10", env=one_device)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Submitit 'local' sweep output dir" in result.stdout + result.stderr
+    assert list(tmp_path.glob(".submitit/*/*_0_log.out"))  # submitit ran the jobs
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    for job in ("0", "1"):
+        summary = json.loads((tmp_path / job / "summary.json").read_text())
+        assert summary["stage_completed"] and summary["final_heldout_loss"] is not None
+
+
+@pytest.mark.parametrize("launcher", ["jax", "slurm"])
+def test_two_processes_train_like_one(uninterrupted, tmp_path, launcher):
     """jax.distributed on CPU (2 processes x 2 devices): each process reads its own rows once,
-    so the losses match the single-process run; only process 0 writes the run files."""
+    so the losses match the single-process run; only process 0 writes the run files. Started
+    by JAX's own variables, or by the ones SLURM sets for 2 tasks (what a submitit_slurm job's
+    tasks see), which jax's SLURM detection turns into the same runtime."""
     args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=4", "trainer.eval_every=0", f"hydra.run.dir={tmp_path}"]
-    processes = launch_local_cluster(args, merge_stderr=True)
+    processes = launch_local_cluster(args, merge_stderr=True, launcher=launcher)
     outputs = [p.communicate(timeout=240)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "4 cpu device(s)" in outputs[0] and "parameters" not in outputs[1]

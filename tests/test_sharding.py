@@ -32,9 +32,9 @@ TINY = ModelConfig(
 
 def test_mesh_shapes_and_axis_types():
     mesh = make_mesh(MeshConfig())
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert mesh.axis_types == (AxisType.Auto,) * 3  # not jax 0.10's Explicit default
-    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 4  # not jax 0.10's Explicit default
+    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
     assert make_mesh(MeshConfig(), jax.devices()[:4]).size == 4
     for bad in (MeshConfig(data=3), MeshConfig(data=-1, fsdp=-1), MeshConfig(fsdp=2, tensor=2)):
         with pytest.raises(ValueError, match="mesh"):

@@ -103,12 +103,12 @@ def test_kernel_built_inside_a_trace_is_reusable_by_the_next_trace():
 
 def test_splash_through_attend_on_an_eight_device_mesh():
     """Under a mesh, `attend` runs the (unpartitionable) kernel once per batch shard."""
-    from olmo_eqx.models.attention import attend, reference_attention
+    from olmo_eqx.models.attention import AttentionMask, attend, reference_attention
     from olmo_eqx.sharding import ActivationSharding, MeshConfig, make_mesh
 
     constrain = ActivationSharding(make_mesh(MeshConfig()))
     q, k, v = (jax.random.normal(key, (8, 130, 4, 64)) for key in jax.random.split(jax.random.key(5), 3))
-    run = jax.jit(lambda q, k, v: attend(q, k, v, sliding_window=48, implementation="splash", constrain=constrain))
+    run = jax.jit(lambda q, k, v: attend(q, k, v, AttentionMask(48), implementation="splash", constrain=constrain))
     got = run(q, k, v)
-    want = reference_attention(q, k, v, 48)
+    want = reference_attention(q, k, v, AttentionMask(48))
     assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5

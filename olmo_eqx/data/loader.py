@@ -14,12 +14,13 @@ import queue
 import threading
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
 from jaxtyping import Float, Int, Shaped
 
+from olmo_eqx.batch import TokenBatch, document_layout
 from olmo_eqx.data.guard import RepeatGuard
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.sampler import LoaderState, StepSampler, process_slice_bounds
@@ -210,9 +211,16 @@ def to_global_array(local: Shaped[np.ndarray, "rows *rest"], sharding: jax.shard
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
-def global_batch_arrays(batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-    """`input_ids` and `loss_mask` of a process-local batch as global arrays on `sharding`."""
-    return {
-        "input_ids": to_global_array(batch.input_ids, sharding),
-        "loss_mask": to_global_array(batch.loss_mask, sharding),
-    }
+def global_batch_arrays(
+    batch: Batch, sharding: jax.sharding.Sharding, *, eos_id: Optional[int] = None, reset_positions: bool = False
+) -> TokenBatch:
+    """A process-local batch as a `TokenBatch` of global arrays on `sharding`.
+
+    With `eos_id` (document masking) it also carries the documents' segment ids, and with
+    `reset_positions` positions restarting at each document, derived here on the host.
+    """
+    segment_ids = positions = None
+    if eos_id is not None:
+        segment_ids, positions = document_layout(batch.input_ids, eos_id, reset_positions=reset_positions)
+    put = lambda x: None if x is None else to_global_array(x, sharding)  # noqa: E731
+    return TokenBatch(put(batch.input_ids), put(batch.loss_mask), put(segment_ids), put(positions))

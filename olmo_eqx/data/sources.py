@@ -1,5 +1,6 @@
 """Which tokens a run trains and evaluates on: `data.source` and `data.heldout` turned into
-datasets (the embedded corpus, an OLMo-core mix manifest, or a glob of token files)."""
+datasets (the embedded corpus, an OLMo-core mix manifest, or a glob of token files), and how
+its batches mark documents (`data.document_masking`)."""
 
 from olmo_eqx.config import DataConfig
 from olmo_eqx.data.embedded import embedded_corpus
@@ -34,3 +35,16 @@ def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, 
     if data.heldout:
         heldout = heldout_sets([source_from_paths(name, paths) for name, paths in data.heldout.items()], seq, vocab_size)
     return train, heldout
+
+
+DOLMA2_EOS = 100257  # OLMo 3's tokenizer (allenai/dolma2-tokenizer)
+
+
+def document_options(data: DataConfig) -> dict:
+    """How batches mark documents (`global_batch_arrays` keywords): nothing unless document masking."""
+    if not data.document_masking:
+        return {}
+    eos = data.eos_token_id
+    if eos is None:
+        eos = embedded_corpus().eos_id if data.source == "embedded" else DOLMA2_EOS
+    return {"eos_id": eos, "reset_positions": data.reset_positions_per_document}

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from olmo_eqx.evaluation.requests import Request, Task, encode_requests, score_batches
+from olmo_eqx.evaluation.requests import Encoded, Request, Task, encode_requests, score_batches
 from olmo_eqx.evaluation.scoring import Scorer
 from olmo_eqx.evaluation.tokens import TextTokenizer
 
@@ -41,11 +41,17 @@ def score_requests(
     scorer: Scorer, model, tokenizer: TextTokenizer, requests: list[Request], batch_size: int, max_length: int
 ) -> tuple[RequestScores, int]:
     """Log-likelihood of every request's continuation; also the number of truncated requests."""
-    encoded = encode_requests(tokenizer, requests)
+    return score_encoded(scorer, model, encode_requests(tokenizer, requests), batch_size, max_length)
+
+
+def score_encoded(
+    scorer: Scorer, model, encoded: list[Encoded], batch_size: int, max_length: int
+) -> tuple[RequestScores, int]:
+    """`score_requests` of requests already tokenised (lm-eval's rolling windows come as ids)."""
     batches, truncated = score_batches(encoded, batch_size, max_length)
-    logprob = np.zeros(len(requests), np.float64)
-    n_tokens = np.zeros(len(requests), np.int64)
-    greedy = np.zeros(len(requests), bool)
+    logprob = np.zeros(len(encoded), np.float64)
+    n_tokens = np.zeros(len(encoded), np.int64)
+    greedy = np.zeros(len(encoded), bool)
     for batch in batches:
         scores = scorer.score_choices(model, batch.input_ids, batch.targets, batch.mask, batch.last_pos,
                                       batch.last_targets)

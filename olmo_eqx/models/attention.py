@@ -17,8 +17,9 @@ elsewhere.
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -30,21 +31,42 @@ HEADS = ("batch", "sequence", "act_heads", "head_dim")
 KV_HEADS = ("batch", "sequence", "act_kv_heads", "head_dim")
 
 
+class AttentionMask(eqx.Module):
+    """Who may attend to whom, the one description every attention implementation reads.
+
+    Always causal. `sliding_window` W: query i sees keys i-W+1 .. i (the query itself
+    included). `segment_ids` (packed documents, intra-document masking): query and key must
+    carry the same id; ids must be non-decreasing along each row, as packing produces them.
+    """
+
+    sliding_window: Optional[int] = eqx.field(static=True, default=None)
+    segment_ids: Optional[Int[Array, "batch seq"]] = None
+
+
 def reference_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
     v: Float[Array, "batch seq kv_heads head_dim"],
-    sliding_window: Optional[int],
+    mask: AttentionMask = AttentionMask(),
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Plain masked attention, written for clarity; tests hold the fast paths against it."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(q.shape[-1])
-    allowed = _allowed(jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), k.shape[1], sliding_window)
-    scores = jnp.where(allowed, scores, -jnp.inf)
+    scores = jnp.where(_dense_mask(mask, q.shape[0], q.shape[1]), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _dense_mask(mask: AttentionMask, batch: int, length: int) -> Array:
+    """[batch, 1, seq, seq] boolean: the whole mask at once (for the T x T implementations)."""
+    positions = jnp.arange(length)
+    allowed = _allowed(positions, positions, length, mask.sliding_window)[None, None]
+    if mask.segment_ids is not None:
+        seg = mask.segment_ids
+        allowed = allowed & (seg[:, None, :, None] == seg[:, None, None, :])
+    return jnp.broadcast_to(allowed, (batch, 1, length, length))
 
 
 def _allowed(query: Int[Array, " q"], key: Int[Array, " k"], length: int, sliding_window: Optional[int]) -> Array:
@@ -58,84 +80,131 @@ def _allowed(query: Int[Array, " q"], key: Int[Array, " k"], length: int, slidin
 
 # ---------------------------------------------------------------------------------------------
 # The blockwise kernel. Inside it, arrays are head-major and padded to whole blocks:
-#   q, dq, out, d_out: [batch, kv_heads, groups, T, head_dim]   (query head = kv_head * groups + g)
-#   k, v, dk, dv:      [batch, kv_heads, T, head_dim]
-#   lse, delta:        [batch, kv_heads, groups, T]             (float32)
+#   q, dq, out, d_out: [batch, kv_heads, groups, Tq, head_dim]   (query head = kv_head * groups + g)
+#   k, v, dk, dv:      [batch, kv_heads, Tk, head_dim]
+#   lse, delta:        [batch, kv_heads, groups, Tq]             (float32)
+# Queries may be a slice of the keys' sequence starting at `q_offset` (context parallelism:
+# this shard's queries against every key).
 
 
-def _key_blocks(i, block: int, n_blocks: int, sliding_window: Optional[int]):
-    """[first, last + 1) of the key blocks that query block i can see."""
-    first = 0 if sliding_window is None else jnp.maximum(i * block - sliding_window + 1, 0) // block
-    return first, i + 1  # causal: nothing right of the diagonal block
+class _Static(NamedTuple):
+    block: int
+    length: int  # real keys (the rest is padding)
+    sliding_window: Optional[int]
 
 
-def _query_blocks(j, block: int, n_blocks: int, sliding_window: Optional[int]):
-    """[first, last + 1) of the query blocks that can see key block j."""
-    if sliding_window is None:
-        return j, n_blocks
-    return j, jnp.minimum(((j + 1) * block - 1 + sliding_window - 1) // block + 1, n_blocks)
+class _Layout(NamedTuple):
+    """The traced part of the mask: query offset, segment ids, and the block ranges they allow."""
+
+    q_offset: Array
+    seg_q: Optional[Array]  # [batch, Tq]
+    seg_k: Optional[Array]  # [batch, Tk]
+    first_key_block: Optional[Array]  # [n_q]: no key block before it shares a document with the query block
+    end_query_block: Optional[Array]  # [n_k]: no query block from it on shares a document with the key block
+
+
+def _layout(q_offset, seg_q, seg_k, block: int, n_q: int) -> _Layout:
+    if seg_k is None:
+        return _Layout(jnp.asarray(q_offset, jnp.int32), None, None, None, None)
+    positions = jnp.arange(seg_k.shape[1])
+    starts = jnp.where(jnp.diff(seg_k, axis=1, prepend=seg_k[:, :1] - 1) != 0, positions, 0)
+    doc_start = jax.lax.cummax(starts, axis=1)  # first position of each key's document
+    ends = jnp.where(jnp.diff(seg_k, axis=1, append=seg_k[:, -1:] + 1) != 0, positions, positions[-1])
+    doc_end = jax.lax.cummin(ends, axis=1, reverse=True)  # last position of each key's document
+    query_starts = q_offset + jnp.arange(n_q) * block
+    first_key = jnp.min(jnp.take(doc_start, query_starts, axis=1), axis=0) // block
+    last_keys = jnp.arange(seg_k.shape[1] // block) * block + block - 1
+    end_query = (jnp.max(jnp.take(doc_end, last_keys, axis=1), axis=0) - q_offset) // block + 1
+    return _Layout(jnp.asarray(q_offset, jnp.int32), seg_q, seg_k, first_key, end_query)
+
+
+def _key_blocks(i, st: _Static, lay: _Layout, n_k: int):
+    """[first, end) of the key blocks that query block i can see."""
+    q_first = lay.q_offset + i * st.block
+    first = 0 if st.sliding_window is None else jnp.maximum(q_first - st.sliding_window + 1, 0) // st.block
+    if lay.first_key_block is not None:
+        first = jnp.maximum(first, lay.first_key_block[i])
+    return first, jnp.minimum((q_first + st.block - 1) // st.block + 1, n_k)  # causal: up to the diagonal
+
+
+def _query_blocks(j, st: _Static, lay: _Layout, n_q: int):
+    """[first, end) of the query blocks that can see key block j."""
+    k_last = j * st.block + st.block - 1
+    first = jnp.maximum(j * st.block - lay.q_offset, 0) // st.block  # causal: queries at or after the keys
+    end = jnp.asarray(n_q)
+    if st.sliding_window is not None:
+        end = jnp.minimum(end, jnp.maximum(k_last + st.sliding_window - 1 - lay.q_offset, -1) // st.block + 1)
+    if lay.end_query_block is not None:
+        end = jnp.minimum(end, lay.end_query_block[j])
+    return first, jnp.maximum(end, first)
 
 
 def _slice(x: Array, start, block: int, axis: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start * block, block, axis=axis)
 
 
-def _block_scores(q_blk, k_blk, i, j, block: int, length: int, sliding_window: Optional[int], scale: float):
+def _block_scores(q_blk, k_blk, i, j, st: _Static, lay: _Layout, scale: float):
     """Scaled scores of query block i against key block j, -inf where masked: [b, h, g, q, k] f32."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
-    positions = jnp.arange(block)
-    allowed = _allowed(i * block + positions, j * block + positions, length, sliding_window)
+    positions = jnp.arange(st.block)
+    allowed = _allowed(lay.q_offset + i * st.block + positions, j * st.block + positions, st.length, st.sliding_window)
+    allowed = allowed[None, None, None]
+    if lay.seg_q is not None:
+        same = _slice(lay.seg_q, i, st.block, 1)[:, :, None] == _slice(lay.seg_k, j, st.block, 1)[:, None, :]
+        allowed = allowed & same[:, None, None]
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def _forward(q, k, v, *, block: int, length: int, sliding_window: Optional[int]):
+def _forward(q, k, v, lay: _Layout, st: _Static):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    n_blocks = q.shape[3] // block
+    n_q, n_k = q.shape[3] // st.block, k.shape[2] // st.block
     b, h, g, _, d = q.shape
 
     def query_block(i, carry):
         out, lse = carry
-        q_blk = _slice(q, i, block, 3)
+        q_blk = _slice(q, i, st.block, 3)
 
         def key_block(j, stats):
             m, l, acc = stats
-            s = _block_scores(q_blk, _slice(k, j, block, 2), i, j, block, length, sliding_window, scale)
+            s = _block_scores(q_blk, _slice(k, j, st.block, 2), i, j, st, lay, scale)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not nan.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
             correction = jnp.exp(m - shift)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _slice(v, j, block, 2), preferred_element_type=jnp.float32)
+            v_blk = _slice(v, j, st.block, 2)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
             return m_new, l * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
 
         init = (
-            jnp.full((b, h, g, block), -jnp.inf, jnp.float32),
-            jnp.zeros((b, h, g, block), jnp.float32),
-            jnp.zeros((b, h, g, block, d), jnp.float32),
+            jnp.full((b, h, g, st.block), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, g, st.block), jnp.float32),
+            jnp.zeros((b, h, g, st.block, d), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(*_key_blocks(i, block, n_blocks, sliding_window), key_block, init)
+        m, l, acc = jax.lax.fori_loop(*_key_blocks(i, st, lay, n_k), key_block, init)
         # Every real query sees at least itself; a padding row may see nothing: its output is
         # 0 and its lse +inf, so the backward pass gives it probabilities of exactly 0.
         seen = l > 0
         row_out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         row_lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        out = jax.lax.dynamic_update_slice_in_dim(out, row_out.astype(q.dtype), i * block, axis=3)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, row_lse, i * block, axis=3)
+        out = jax.lax.dynamic_update_slice_in_dim(out, row_out.astype(q.dtype), i * st.block, axis=3)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, row_lse, i * st.block, axis=3)
         return out, lse
 
     init = (jnp.zeros_like(q), jnp.zeros(q.shape[:-1], jnp.float32))
-    return jax.lax.fori_loop(0, n_blocks, query_block, init)
+    return jax.lax.fori_loop(0, n_q, query_block, init)
 
 
-def _backward(q, k, v, out, lse, d_out, *, block: int, length: int, sliding_window: Optional[int]):
+def _backward(q, k, v, out, lse, d_out, lay: _Layout, st: _Static):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    n_blocks = q.shape[3] // block
+    block = st.block
+    n_q, n_k = q.shape[3] // block, k.shape[2] // block
     # delta_i = sum_d dO_i * O_i: the softmax Jacobian's row term, once per query.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
     def block_grads(i, j, q_blk, k_blk, v_blk):
         """(p, ds) of query block i against key block j, from the saved log-sum-exp."""
-        s = _block_scores(q_blk, k_blk, i, j, block, length, sliding_window, scale)
+        s = _block_scores(q_blk, k_blk, i, j, st, lay, scale)
         p = jnp.exp(s - _slice(lse, i, block, 3)[..., None])
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", _slice(d_out, i, block, 3), v_blk, preferred_element_type=jnp.float32)
         return p, p * (dp - _slice(delta, i, block, 3)[..., None])
@@ -149,9 +218,7 @@ def _backward(q, k, v, out, lse, d_out, *, block: int, length: int, sliding_wind
             _, ds = block_grads(i, j, q_blk, k_blk, _slice(v, j, block, 2))
             return acc + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(
-            *_key_blocks(i, block, n_blocks, sliding_window), key_block, jnp.zeros(q_blk.shape, jnp.float32)
-        )
+        acc = jax.lax.fori_loop(*_key_blocks(i, st, lay, n_k), key_block, jnp.zeros(q_blk.shape, jnp.float32))
         return jax.lax.dynamic_update_slice_in_dim(dq, (acc * scale).astype(q.dtype), i * block, axis=3)
 
     # Pass 2, dk and dv: each key block gathers over the query blocks that see it (and over
@@ -164,36 +231,36 @@ def _backward(q, k, v, out, lse, d_out, *, block: int, length: int, sliding_wind
             dk_acc, dv_acc = acc
             q_blk = _slice(q, i, block, 3)
             p, ds = block_grads(i, j, q_blk, k_blk, v_blk)
-            dv_acc += jnp.einsum(
-                "bhgqk,bhgqd->bhkd", p.astype(v.dtype), _slice(d_out, i, block, 3), preferred_element_type=jnp.float32
-            )
+            d_out_blk = _slice(d_out, i, block, 3)
+            dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(v.dtype), d_out_blk, preferred_element_type=jnp.float32)
             dk_acc += jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q_blk, preferred_element_type=jnp.float32)
             return dk_acc, dv_acc
 
         zeros = jnp.zeros(k_blk.shape, jnp.float32)
-        dk_blk, dv_blk = jax.lax.fori_loop(*_query_blocks(j, block, n_blocks, sliding_window), query_block, (zeros, zeros))
+        dk_blk, dv_blk = jax.lax.fori_loop(*_query_blocks(j, st, lay, n_q), query_block, (zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(k.dtype), j * block, axis=2)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), j * block, axis=2)
         return dk, dv
 
-    dq = jax.lax.fori_loop(0, n_blocks, dq_block, jnp.zeros_like(q))
-    dk, dv = jax.lax.fori_loop(0, n_blocks, dkv_block, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    dq = jax.lax.fori_loop(0, n_q, dq_block, jnp.zeros_like(q))
+    dk, dv = jax.lax.fori_loop(0, n_k, dkv_block, (jnp.zeros_like(k), jnp.zeros_like(v)))
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _blockwise(q, k, v, block: int, length: int, sliding_window: Optional[int]):
-    out, _ = _forward(q, k, v, block=block, length=length, sliding_window=sliding_window)
-    return out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blockwise(q, k, v, lay: _Layout, st: _Static):
+    return _forward(q, k, v, lay, st)[0]
 
 
-def _blockwise_fwd(q, k, v, block, length, sliding_window):
-    out, lse = _forward(q, k, v, block=block, length=length, sliding_window=sliding_window)
-    return out, (q, k, v, out, lse)
+def _blockwise_fwd(q, k, v, lay, st):
+    out, lse = _forward(q, k, v, lay, st)
+    return out, (q, k, v, out, lse, lay)
 
 
-def _blockwise_bwd(block, length, sliding_window, residuals, d_out):
-    return _backward(*residuals, d_out, block=block, length=length, sliding_window=sliding_window)
+def _blockwise_bwd(st, residuals, d_out):
+    q, k, v, out, lse, lay = residuals
+    # The layout (offsets, segment ids) is integer data: no cotangent.
+    return (*_backward(q, k, v, out, lse, d_out, lay, st), None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -203,31 +270,42 @@ def blockwise_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
     v: Float[Array, "batch seq kv_heads head_dim"],
-    sliding_window: Optional[int],
+    mask: AttentionMask = AttentionMask(),
     *,
     block_size: int = DEFAULT_BLOCK,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Memory-efficient causal attention: never holds more than one block x block of scores.
 
     Equal to `reference_attention` (float32: to rounding); any sequence length (padded to a
-    whole number of blocks inside); block_size is clipped to the sequence.
+    whole number of blocks inside); block_size is clipped to the sequence. Blocks that no
+    query may see (causal band, window, other documents) are never visited.
     """
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    block = min(block_size, length)
-    padded = -(-length // block) * block
+    return _attention_of_shard(q, k, v, mask.sliding_window, mask.segment_ids, mask.segment_ids, 0, block_size)
 
-    def head_major(x: Array, *group: int) -> Array:
+
+def _attention_of_shard(q, k, v, sliding_window, seg_q, seg_k, q_offset, block_size: int):
+    """Queries (starting at position `q_offset` of the keys' sequence) against all keys."""
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    block = min(block_size, q_len, k_len)
+    q_pad, k_pad = -(-q_len // block) * block, -(-k_len // block) * block
+
+    def head_major(x: Array, padded: int, *group: int) -> Array:
         # [b, T, h, d] -> [b, kv_heads, (groups,) T_padded, d]
-        x = jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0)))
+        x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
         x = x.reshape(batch, padded, kv_heads, *group, head_dim)
         return jnp.moveaxis(x, 1, -2)
 
+    def pad_segments(seg, padded):  # padding continues the last document; the length mask hides it
+        return None if seg is None else jnp.pad(seg, ((0, 0), (0, padded - seg.shape[1])), mode="edge")
+
+    lay = _layout(q_offset, pad_segments(seg_q, q_pad), pad_segments(seg_k, k_pad), block, q_pad // block)
     out = _blockwise(
-        head_major(q, heads // kv_heads), head_major(k), head_major(v), block, length, sliding_window
+        head_major(q, q_pad, heads // kv_heads), head_major(k, k_pad), head_major(v, k_pad), lay,
+        _Static(block, k_len, sliding_window),
     )
-    out = jnp.moveaxis(out, -2, 1).reshape(batch, padded, heads, head_dim)
-    return out[:, :length]
+    out = jnp.moveaxis(out, -2, 1).reshape(batch, q_pad, heads, head_dim)
+    return out[:, :q_len]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,34 +328,71 @@ def attend(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
     v: Float[Array, "batch seq kv_heads head_dim"],
+    mask: AttentionMask,
     *,
-    sliding_window: Optional[int],
     implementation: str,
     constrain=None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention over [batch, seq, heads, head_dim] by the named implementation.
 
-    `constrain` (the model's activation sharding) matters only to kernels that GSPMD cannot
-    partition (splash): they run once per shard of its mesh.
+    `constrain` is the model's activation sharding (`olmo_eqx.sharding.ActivationSharding`).
+    When it shards the sequence (context parallelism) attention runs per shard: each shard's
+    queries against K/V all-gathered over the context axis (llama3-style), with the blockwise
+    kernel. Kernels the compiler cannot partition (splash) also run per shard.
     """
+    mesh = getattr(constrain, "mesh", None)
+    if mesh is not None and mesh.size > 1 and constrain.spec(q.shape, HEADS)[1] is not None:
+        if implementation not in ("auto", "blockwise"):
+            raise ValueError(
+                f"attention_impl={implementation!r} cannot run with the sequence sharded over the mesh "
+                "(context parallelism); use attention_impl=blockwise or auto"
+            )
+        return _context_parallel(q, k, v, mask, constrain)
     implementation = resolve_implementation(implementation, q.dtype)
     if implementation == "reference":
-        return reference_attention(q, k, v, sliding_window)
+        return reference_attention(q, k, v, mask)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, sliding_window)
+        return blockwise_attention(q, k, v, mask)
+    if mask.segment_ids is not None and implementation != "xla":
+        raise ValueError(
+            f"attention_impl={implementation!r} does not take document masking (segment ids) here; "
+            "use attention_impl=blockwise (or auto on CPU)"
+        )
     if implementation == "splash":
         from .splash import splash_attention  # imports Pallas
 
-        kernel = functools.partial(splash_attention, sliding_window=sliding_window)
-        mesh = getattr(constrain, "mesh", None)
+        kernel = functools.partial(splash_attention, sliding_window=mask.sliding_window)
         if mesh is not None and mesh.size > 1:
             # A Mosaic kernel cannot be split by the compiler: run it on each shard's batch
             # rows and heads (attention never mixes either).
             q_spec, kv_spec = constrain.spec(q.shape, HEADS), constrain.spec(k.shape, KV_HEADS)
             kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
         return kernel(q, k, v)
+    if mask.segment_ids is not None:  # "xla" holds T x T anyway: hand it the whole mask
+        dense = _dense_mask(mask, q.shape[0], q.shape[1])
+        return jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="xla")
     # "xla" / "cudnn": jax's own. Its window is (left, right) tokens besides the query.
-    window = None if sliding_window is None else (sliding_window - 1, 0)
+    window = None if mask.sliding_window is None else (mask.sliding_window - 1, 0)
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, local_window_size=window, implementation=implementation
     )
+
+
+def _context_parallel(q, k, v, mask: AttentionMask, constrain) -> Array:
+    """Attention with the sequence sharded: every shard's queries against all keys."""
+    q_spec, kv_spec = constrain.spec(q.shape, HEADS), constrain.spec(k.shape, KV_HEADS)
+    context = q_spec[1]  # the mesh axis (or axes) the sequence is split over
+    seg_spec = jax.sharding.PartitionSpec(q_spec[0], context)
+    segments = mask.segment_ids
+    if segments is None:  # one document per row: every key shares it
+        segments = jnp.zeros(q.shape[:2], jnp.int32)
+
+    def shard(q, k, v, seg):
+        gather = functools.partial(jax.lax.all_gather, axis_name=context, axis=1, tiled=True)
+        offset = jax.lax.axis_index(context) * q.shape[1]
+        return _attention_of_shard(q, gather(k), gather(v), mask.sliding_window, seg, gather(seg), offset, DEFAULT_BLOCK)
+
+    run = jax.shard_map(
+        shard, mesh=constrain.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False
+    )
+    return run(q, k, v, segments)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import HEADS, KV_HEADS, attend
+from .attention import HEADS, KV_HEADS, AttentionMask, attend
 from .config import ModelConfig
 
 # Pins an activation to its layout: constrain(x, logical axis names of x's dimensions) -> x.
@@ -107,10 +107,10 @@ def rope_inverse_frequencies(config: ModelConfig, *, yarn: bool) -> tuple[np.nda
 class Rope(eqx.Module):
     """cos/sin tables for one sequence layout, shared by every layer of one attention kind."""
 
-    cos: Float[Array, "batch seq head_dim"]
-    sin: Float[Array, "batch seq head_dim"]
+    cos: Float[Array, "#batch seq head_dim"]
+    sin: Float[Array, "#batch seq head_dim"]
 
-    def __init__(self, positions: Int[Array, "batch seq"], config: ModelConfig, *, yarn: bool):
+    def __init__(self, positions: Int[Array, "#batch seq"], config: ModelConfig, *, yarn: bool):
         inv_freq, scale = rope_inverse_frequencies(config, yarn=yarn)
         angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
         angles = jnp.concatenate([angles, angles], axis=-1)
@@ -158,9 +158,21 @@ class Attention(eqx.Module):
         rope: Rope,
         *,
         config: ModelConfig,
-        sliding_window: Optional[int],
+        mask: AttentionMask,
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
+        q, k, v = self.project(x, rope, config=config, constrain=constrain)
+        context = attend(q, k, v, mask, implementation=config.attention_impl, constrain=constrain)
+        return self.output(constrain(context, HEADS))
+
+    def project(
+        self, x: Float[Array, "batch seq d_model"], rope: Rope, *, config: ModelConfig, constrain: Constrain = unconstrained
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """q, k, v after QK-norm and RoPE (k and v are what a KV cache keeps: `olmo_eqx.generate`)."""
         batch, seq, _ = x.shape
         # The names mark what the "save_projections" remat policy keeps for the backward pass.
         q = checkpoint_name(x @ self.q_proj.astype(x.dtype), "q_proj")
@@ -169,9 +181,13 @@ class Attention(eqx.Module):
         q = constrain(rope(self.q_norm(q).reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
         k = constrain(rope(self.k_norm(k).reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
         v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
-        context = attend(q, k, v, sliding_window=sliding_window, implementation=config.attention_impl, constrain=constrain)
-        context = checkpoint_name(constrain(context, HEADS), "attention_context")
-        return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(x.dtype), "o_proj")
+        return q, k, v
+
+    def output(self, context: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq d_model"]:
+        """The output projection of the attention context."""
+        batch, seq = context.shape[:2]
+        context = checkpoint_name(context, "attention_context")
+        return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(context.dtype), "o_proj")
 
 
 class MLP(eqx.Module):
@@ -218,10 +234,19 @@ class Block(eqx.Module):
         rope: Rope,
         *,
         config: ModelConfig,
-        sliding_window: Optional[int],
+        mask: AttentionMask,
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
-        attention = self.attention(x, rope, config=config, sliding_window=sliding_window, constrain=constrain)
+        attention = self.attention(x, rope, config=config, mask=mask, constrain=constrain)
+        return self.after_attention(x, attention, constrain)
+
+    def after_attention(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        attention: Float[Array, "batch seq d_model"],
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        """The rest of the block once attention's output is known (the KV-cached decode shares it)."""
         h = constrain(x + self.attention_norm(attention), HIDDEN)
         return constrain(h + self.mlp_norm(self.mlp(h, constrain)), HIDDEN)
 
@@ -263,41 +288,52 @@ class OLMo(eqx.Module):
         tokens: Int[Array, "batch seq"],
         positions: Optional[Int[Array, "batch seq"]] = None,
         *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq vocab"]:
-        """Logits over the real vocabulary (float32). Training uses `hidden_states` + a chunked loss."""
-        return self.logits(self.hidden_states(tokens, positions, constrain=constrain), constrain=constrain)
+        """Logits over the real vocabulary (float32). Training uses `hidden_states` + a chunked loss.
+
+        `positions` (RoPE) default to 0 .. seq-1 on every row; `segment_ids` (packed
+        documents) restrict attention to tokens of the same document.
+        """
+        hidden = self.hidden_states(tokens, positions, segment_ids=segment_ids, constrain=constrain)
+        return self.logits(hidden, constrain=constrain)
 
     def hidden_states(
         self,
         tokens: Int[Array, "batch seq"],
         positions: Optional[Int[Array, "batch seq"]] = None,
         *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
         """The final-normed hidden states, which the head turns into logits."""
         config = self.config
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if positions is None:  # one row of RoPE tables, broadcast over the batch
+            positions = jnp.arange(tokens.shape[1])[None, :]
+        else:
+            positions = constrain(positions, ("batch", "sequence"))
         # Pinned here: otherwise the gather may inherit the embedding table's layout
         # (d_model over "fsdp") and every device would compute the whole global batch.
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
         rope_sliding = Rope(positions, config, yarn=False)
         rope_full = Rope(positions, config, yarn=config.yarn is not None)
+        sliding_mask = AttentionMask(config.sliding_window, segment_ids)
+        full_mask = AttentionMask(None, segment_ids)
 
-        def apply_block(block: Block, x, rope: Rope, sliding_window: Optional[int]):
-            return block(x, rope, config=config, sliding_window=sliding_window, constrain=constrain)
+        def apply_block(block: Block, x, rope: Rope, mask: AttentionMask):
+            return block(x, rope, config=config, mask=mask, constrain=constrain)
 
         if config.remat != "none":
-            apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[config.remat], static_argnums=(3,))
+            apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[config.remat])
 
         def run_cycle(x, cycle: Block):
             # One attention cycle (3 sliding + 1 full on OLMo 3), unrolled; cycles are scanned.
             for j in range(config.cycle_length):
                 block = jax.tree.map(lambda a: a[j], cycle)
                 sliding = config.is_sliding(j)
-                rope = rope_sliding if sliding else rope_full
-                x = apply_block(block, x, rope, config.sliding_window if sliding else None)
+                rope, mask = (rope_sliding, sliding_mask) if sliding else (rope_full, full_mask)
+                x = apply_block(block, x, rope, mask)
             return x, None
 
         n_cycles = config.n_layers // config.cycle_length

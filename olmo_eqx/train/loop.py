@@ -36,12 +36,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
 from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
 from olmo_eqx.data.sampler import LoaderState
-from olmo_eqx.data.sources import build_datasets
+from olmo_eqx.data.sources import build_datasets, document_options  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
 from olmo_eqx.flops import flops_per_token
@@ -70,7 +71,7 @@ class TrainError(RunError):
     save, divergence); the message names the input and the fix."""
 
 
-def evaluate(eval_step, model, sets: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
+def evaluate(eval_step, model, sets: dict[str, list[TokenBatch]]) -> dict[str, tuple[float, float]]:
     """Per held-out set: (mean cross-entropy over its batches, number of target tokens)."""
     results = {}
     for name, batches in sets.items():
@@ -246,12 +247,13 @@ class _Loop:
         trainer, data = config.trainer, config.data
         self.trainer = trainer
         self.sharding = batch_sharding(mesh, rules)
+        self.documents = document_options(data)
         # The first `eval_batches` batches of every held-out set, on the devices once.
-        self.eval_batches: dict[str, list[dict]] = {}
+        self.eval_batches: dict[str, list[TokenBatch]] = {}
         for heldout_set in heldout if trainer.eval_every else []:
             batches = heldout_set.batches(data.global_batch_size, jax.process_index(), jax.process_count())
             self.eval_batches[heldout_set.name] = [
-                global_batch_arrays(b, self.sharding) for b in islice(batches, trainer.eval_batches)
+                global_batch_arrays(b, self.sharding, **self.documents) for b in islice(batches, trainer.eval_batches)
             ]
         self.train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
         self.eval_step = make_eval_step(mesh, rules)
@@ -412,8 +414,8 @@ class _Loop:
         interrupted = None
         pending: Optional[tuple[int, dict]] = None
         profiler = StepProfiler(trainer.profile_steps, self.out.path, self.out.enabled, self.out.print)
-        sharding = self.sharding
-        to_global = lambda b: global_batch_arrays(b, sharding)  # noqa: E731  (runs in the prefetch thread)
+        sharding, documents = self.sharding, self.documents
+        to_global = lambda b: global_batch_arrays(b, sharding, **documents)  # noqa: E731  (runs in the prefetch thread)
         self.loop_started = time.perf_counter()
         with stop_on_signals(self.out.print) as stop, Prefetcher(self.loader, depth=2, transform=to_global) as batches:
             try:

@@ -8,7 +8,7 @@ device scalars; the loop should fetch them one step late so the host never stall
 """
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Union
 
 import equinox as eqx
 import jax
@@ -17,24 +17,21 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from ..batch import TokenBatch, as_token_batch
 from ..models.olmo3 import OLMo
 from ..sharding import ShardingRules, activation_sharding, model_shardings, train_state_shardings
 from .loss import LossSums, chunked_loss_sums, objective, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
 from .state import TrainState
 
-Batch = dict[str, Array]  # {"input_ids": Int[Array, "batch seq"], "loss_mask": Float[Array, "batch seq"]}
+# A `TokenBatch`, or the dict {"input_ids": [B, L] int32, "loss_mask": [B, L]} it replaced.
+Batch = Union[TokenBatch, dict]
 Metrics = dict[str, Float[Array, ""]]
 
 
-def _check_batch(batch: Batch) -> tuple[Int[Array, "batch seq"], Float[Array, "batch seq"]]:
-    missing = {"input_ids", "loss_mask"} - set(batch)
-    if missing:
-        raise ValueError(f"batch is missing {sorted(missing)}; expected keys input_ids [B, L] int32 and loss_mask [B, L]")
-    ids, mask = batch["input_ids"], batch["loss_mask"]
-    if ids.shape != mask.shape or ids.ndim != 2:
-        raise ValueError(f"input_ids {ids.shape} and loss_mask {mask.shape} must both be [batch, seq]")
-    return ids, mask.astype(jnp.float32)
+def _check_batch(batch: Batch) -> TokenBatch:
+    batch = as_token_batch(batch)
+    return eqx.tree_at(lambda b: b.loss_mask, batch, batch.loss_mask.astype(jnp.float32))
 
 
 def _split_micro_batches(x: Array, micro_batches: int, mesh: Optional[Mesh], rules: ShardingRules) -> Array:
@@ -70,12 +67,13 @@ def _skip_decision(
     return (n >= min_history) & (value > mean + std_factor * jnp.sqrt(var))
 
 
-def model_loss_sums(model: OLMo, ids: Int[Array, "batch seq"], mask: Float[Array, "batch seq"], constrain) -> LossSums:
+def model_loss_sums(model: OLMo, batch: TokenBatch, constrain) -> LossSums:
     """The training loss of `model` on a batch: hidden states, then the chunked head + loss."""
-    hidden = model.hidden_states(ids, constrain=constrain)
+    hidden = model.hidden_states(batch.input_ids, batch.positions, segment_ids=batch.segment_ids, constrain=constrain)
     config = model.config
     return chunked_loss_sums(
-        hidden, model.lm_head, ids, mask, vocab_size=config.vocab_size, chunk_size=config.loss_chunk_size, constrain=constrain
+        hidden, model.lm_head, batch.input_ids, batch.loss_mask,
+        vocab_size=config.vocab_size, chunk_size=config.loss_chunk_size, constrain=constrain,
     )
 
 
@@ -92,7 +90,7 @@ def make_train_step(
     `train_step.step` is the same step unjitted, as `step(batch, state)`: what the memory
     planner lowers for abstract shapes.
 
-    batch: {"input_ids": int32 [B, L], "loss_mask": float32 [B, L]}, global arrays (ideally
+    batch: a `TokenBatch` (or {"input_ids": int32 [B, L], "loss_mask": float32 [B, L]}), global arrays (ideally
     laid out with `batch_sharding(mesh)`). With `mesh`, the output state is pinned to the
     layout of `train_state_shardings(state, mesh, rules)`.
 
@@ -108,12 +106,12 @@ def make_train_step(
     constrain = activation_sharding(mesh, rules)
 
     def step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
-        ids, mask = _check_batch(batch)
-        count = target_count(mask)
+        batch = _check_batch(batch)
+        count = target_count(batch.loss_mask)
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
-        def micro_objective(params, ids, mask):
-            sums = model_loss_sums(eqx.combine(params, static), ids, mask, constrain)
+        def micro_objective(params, batch: TokenBatch):
+            sums = model_loss_sums(eqx.combine(params, static), batch, constrain)
             return objective(sums, z_weight, count), sums
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
@@ -128,16 +126,16 @@ def make_train_step(
             return jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
 
         if micro_batches == 1:
-            grads, sums = grad_fn(params, ids, mask)
+            grads, sums = grad_fn(params, batch)
             grads = to_f32(grads)
         else:
 
             def accumulate(carry, xs):
-                g, s = grad_fn(params, *xs)
+                g, s = grad_fn(params, xs)
                 return jax.tree.map(jnp.add, carry, (to_f32(g), s)), None
 
             zeros = (to_f32(jax.tree.map(jnp.zeros_like, params)), LossSums(*(jnp.zeros((), jnp.float32),) * 3))
-            xs = tuple(_split_micro_batches(x, micro_batches, mesh, rules) for x in (ids, mask))
+            xs = jax.tree.map(lambda x: _split_micro_batches(x, micro_batches, mesh, rules), batch)
             (grads, sums), _ = jax.lax.scan(accumulate, zeros, xs)
 
         grad_norm = optax.tree.norm(grads)
@@ -204,7 +202,6 @@ def make_eval_step(mesh: Optional[Mesh] = None, rules: ShardingRules = ShardingR
 
     @eqx.filter_jit
     def eval_step(model: eqx.Module, batch: Batch) -> LossSums:
-        ids, mask = _check_batch(batch)
-        return model_loss_sums(model, ids, mask, constrain)
+        return model_loss_sums(model, _check_batch(batch), constrain)
 
     return eval_step

@@ -1,0 +1,140 @@
+"""Stage 3, long context: `python -m olmo_eqx +stage=long_context checkpoint.load=PATH`.
+
+OLMo 3's long-context extension (olmo3-spec section 3): from the stage-2 checkpoint *with*
+its optimiser state, YaRN (factor 8, beta_fast 32, beta_slow 1) on the full-attention layers
+only (the sliding layers keep plain RoPE), a longer sequence, intra-document masking, LR
+2.07e-4 with 200 warmup steps then linear to exactly 0. `conf/stage/long_context.yaml` sets
+those as defaults of the ordinary keys (`optim.lr`, `schedule.*`, `data.*`); on the embedded
+default the sequence is 4x stage 2's (1024 tokens).
+
+    checkpoint.load          a stage-2 run of ours (any of its dirs) or a HF model dir
+    stage.optimizer          keep | reset | auto (keep when the checkpoint has Adam state)
+    stage.yarn_factor        8.0; stage.yarn_beta_fast 32.0, stage.yarn_beta_slow 1.0
+    stage.original_context   YaRN's original context; default: the source run's sequence length
+
+YaRN and `max_sequence_length` may differ from the checkpoint because no weight changes shape
+(`olmo_eqx.checkpoint.CONTINUABLE_FIELDS`). Before training, the starting model's held-out
+loss at the long length is measured, so the summary shows it before and after the stage.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from olmo_eqx.config import Config, build
+from olmo_eqx.warm_start import Optimizer
+
+
+@dataclass(frozen=True)
+class LongContextSettings:
+    """`stage.*` of the long-context stage."""
+
+    optimizer: Optimizer = "auto"
+    yarn_factor: float = 8.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    original_context: Optional[int] = None
+
+
+class LongContext:
+    """Stage 3: long context from a stage-2 checkpoint: YaRN on full layers, document masking."""
+
+    description = (
+        "Stage 3: long context from a stage-2 checkpoint (checkpoint.load=...): YaRN on the full-attention "
+        "layers, longer sequences, intra-document masking (resumes by itself)"
+    )
+    config_class = LongContextSettings
+
+    def run(self, config: Config, run_dir: Path) -> Optional[dict]:
+        from olmo_eqx.models.config import YarnConfig
+        from olmo_eqx.train.loop import train
+        from olmo_eqx.warm_start import note_model, own_checkpoint, source, stored_model_config, with_runtime_fields
+
+        settings = config.stage if isinstance(config.stage, LongContextSettings) else build(LongContextSettings, config.stage or {}, "stage")
+        run_dir = Path(run_dir).resolve()
+        config = dataclasses.replace(config, stage=settings)
+        own = own_checkpoint(config, run_dir)
+        if own is not None:  # a resume: the run's own checkpoint holds the stage-3 model
+            model = with_runtime_fields(stored_model_config(own), config)
+            return train(dataclasses.replace(config, model=model), run_dir)
+        start = source("long_context", config, settings.optimizer)
+        original = settings.original_context or _source_sequence_length(start) or start.model_config.max_sequence_length
+        yarn = YarnConfig(
+            factor=settings.yarn_factor, original_max_position_embeddings=original,
+            beta_fast=settings.yarn_beta_fast, beta_slow=settings.yarn_beta_slow,
+        )
+        model = dataclasses.replace(
+            with_runtime_fields(start.model_config, config),
+            yarn=yarn,
+            max_sequence_length=max(config.data.sequence_length, start.model_config.max_sequence_length),
+        )
+        note_model("long_context", model, config.model)
+        config = dataclasses.replace(config, model=model)
+        before: dict = {}
+
+        def init_state(config, mesh, rules):
+            state = start.init_state(config, mesh, rules)
+            before.update(_heldout_loss(config, state.model, mesh, rules))
+            return state
+
+        summary = train(config, run_dir, init_state=init_state)
+        if before and summary is not None:
+            summary = {**summary, "heldout_loss_before": before["loss"]}
+            _print(
+                f"\nheld-out loss at sequence length {config.data.sequence_length} "
+                f"({before['tokens']:,.0f} tokens): before {before['loss']:.4f} | after {summary.get('final_heldout_loss') or float('nan'):.4f}"
+            )
+            _rewrite_summary(run_dir, summary)
+        return summary
+
+
+def _source_sequence_length(start) -> Optional[int]:
+    """The sequence length the source checkpoint trained at (its stored run config)."""
+    from olmo_eqx.checkpoint import Checkpointer
+
+    if start.location.kind != "olmo_eqx":
+        return None
+    with Checkpointer(start.location.directory, keep_last=None, read_only=True) as checkpointer:
+        stored = checkpointer.stored_config(start.location.step) or {}
+    return (stored.get("data") or {}).get("sequence_length")
+
+
+def _heldout_loss(config: Config, model, mesh, rules) -> dict:
+    """Held-out loss of `model` on the run's held-out batches (what the loop evaluates later)."""
+    from itertools import islice
+
+    import jax
+
+    from olmo_eqx.data.loader import global_batch_arrays
+    from olmo_eqx.sharding import batch_sharding
+    from olmo_eqx.train.loop import build_datasets, document_options, evaluate
+    from olmo_eqx.train.step import make_eval_step
+
+    _, heldout = build_datasets(config.data, config.model.vocab_size)
+    sharding, documents = batch_sharding(mesh, rules), document_options(config.data)
+    sets = {}
+    for heldout_set in heldout:
+        batches = heldout_set.batches(config.data.global_batch_size, jax.process_index(), jax.process_count())
+        sets[heldout_set.name] = [global_batch_arrays(b, sharding, **documents) for b in islice(batches, config.trainer.eval_batches)]
+    results = evaluate(make_eval_step(mesh, rules), model, sets)
+    tokens = sum(count for _, count in results.values())
+    return {"loss": sum(loss * count for loss, count in results.values()) / max(tokens, 1.0), "tokens": tokens}
+
+
+def _print(text: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def _rewrite_summary(run_dir: Path, summary: dict) -> None:
+    import json
+
+    import jax
+
+    from olmo_eqx.sweep import SUMMARY_FILE
+
+    if jax.process_index() == 0:
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
