@@ -38,6 +38,16 @@ def own_checkpoint(config: Config, run_dir: Path):
     return CheckpointLocation("olmo_eqx", directory, steps[-1]) if steps else None
 
 
+def resume_config(config: Config, run_dir: Path):
+    """The config a later stage resumes its own run with (the model its own latest checkpoint
+    holds, with this run's runtime fields), or None when the run has no checkpoint yet:
+    a resume always wins over `checkpoint.load`, which it does not read."""
+    own = own_checkpoint(config, run_dir)
+    if own is None:
+        return None
+    return dataclasses.replace(config, model=with_runtime_fields(stored_model_config(own), config))
+
+
 def stored_model_config(location):
     from olmo_eqx.checkpoint import Checkpointer
 

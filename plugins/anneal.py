@@ -45,16 +45,13 @@ class Anneal:
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
         from olmo_eqx.train.loop import train  # jax is imported only when a stage runs
-        from olmo_eqx.warm_start import note_model, own_checkpoint, source, stored_model_config, with_runtime_fields
+        from olmo_eqx.warm_start import note_model, resume_config, source, with_runtime_fields
 
         settings = config.stage if isinstance(config.stage, AnnealSettings) else build(AnnealSettings, config.stage or {}, "stage")
         run_dir = Path(run_dir).resolve()
         config = dataclasses.replace(config, stage=settings)
-        own = own_checkpoint(config, run_dir)
-        if own is not None:
-            # A resume: this run's own checkpoint decides the model; checkpoint.load is not read.
-            model = with_runtime_fields(stored_model_config(own), config)
-            return train(dataclasses.replace(config, model=model), run_dir)
+        if (resumed := resume_config(config, run_dir)) is not None:
+            return train(resumed, run_dir)
         start = source("anneal", config, settings.optimizer)
         model = with_runtime_fields(start.model_config, config)
         note_model("anneal", model, config.model)

@@ -49,15 +49,13 @@ class LongContext:
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
         from olmo_eqx.models.config import YarnConfig
         from olmo_eqx.train.loop import train
-        from olmo_eqx.warm_start import note_model, own_checkpoint, source, stored_model_config, with_runtime_fields
+        from olmo_eqx.warm_start import note_model, resume_config, source, with_runtime_fields
 
         settings = config.stage if isinstance(config.stage, LongContextSettings) else build(LongContextSettings, config.stage or {}, "stage")
         run_dir = Path(run_dir).resolve()
         config = dataclasses.replace(config, stage=settings)
-        own = own_checkpoint(config, run_dir)
-        if own is not None:  # a resume: the run's own checkpoint holds the stage-3 model
-            model = with_runtime_fields(stored_model_config(own), config)
-            return train(dataclasses.replace(config, model=model), run_dir)
+        if (resumed := resume_config(config, run_dir)) is not None:  # its own checkpoint holds the stage-3 model
+            return train(resumed, run_dir)
         start = source("long_context", config, settings.optimizer)
         original = settings.original_context or _source_sequence_length(start) or start.model_config.max_sequence_length
         yarn = YarnConfig(
