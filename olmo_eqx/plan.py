@@ -23,6 +23,7 @@ The figures are XLA:CPU's: an accelerator's compiler fuses and schedules differe
 them as a close estimate, and leave a few GiB of headroom for the runtime.
 """
 
+import math
 import os
 import re
 import sys
@@ -215,7 +216,7 @@ def plan(overrides: list[str], devices: int) -> dict:
     def per_device_bytes(tree) -> int:
         leaves = jax.tree.leaves(tree, is_leaf=is_abstract)
         return sum(
-            math_prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves
+            math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves
         )
 
     assert isinstance(state, TrainState)
@@ -286,13 +287,6 @@ def plan(overrides: list[str], devices: int) -> dict:
         "batch_sized_all_gathers": len(batch_gathers),
         "warnings": warnings,
     }
-
-
-def math_prod(values) -> int:
-    result = 1
-    for v in values:
-        result *= v
-    return result
 
 
 def format_plan(p: dict) -> str:
