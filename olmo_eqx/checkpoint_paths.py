@@ -38,6 +38,13 @@ class CheckpointLocation:
     def __str__(self) -> str:
         return str(self.directory / str(self.step)) if self.kind == "olmo_eqx" else str(self.directory)
 
+    @property
+    def label(self) -> str:
+        """A short name for tables and logs: `<run dir name>@<step>` for ours, `hf:<dir>` for HF."""
+        if self.kind == "hf":
+            return f"hf:{self.directory}"
+        return f"{self.directory.parent.name or self.directory}@{self.step}"
+
 
 def _complete_steps(directory: Path) -> list[int]:
     if not directory.is_dir():

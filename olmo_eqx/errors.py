@@ -8,3 +8,9 @@ here, below every other module, so the library never imports the stage registry 
 
 class RunError(RuntimeError):
     """A run that cannot go on; the message names the input and the fix."""
+
+
+class EvalError(RunError, ValueError):
+    """Input an evaluation cannot use (eval, compare, generate, the lm-eval harness). A RunError,
+    so a stage lets it through to the command line's one-line message; a ValueError, which
+    library callers of `olmo_eqx.evaluation` catch."""

@@ -35,7 +35,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from olmo_eqx.evaluation.downstream import score_encoded, score_requests
-from olmo_eqx.evaluation.load import EvalError
+from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.requests import Encoded, Request
 from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
 from olmo_eqx.generate import generate

@@ -1,17 +1,28 @@
-"""Starting a stage from earlier weights: one of our checkpoints or a HF model directory.
+"""Starting from earlier weights: the one way to locate and restore a model trained before,
+from one of our checkpoints or a HF model directory, onto any mesh.
 
-A later stage (anneal, long context) calls `source(...)` for the architecture stored at
-`checkpoint.load` and an `init_state(config, mesh, rules)` that restores the weights, with or
-without the Adam state, onto *this* run's mesh; the loop calls it only when the run has no
-checkpoint of its own (a resume always wins). Which model fields may differ between the
-checkpoint and the config that continues it is `olmo_eqx.checkpoint.CONTINUABLE_FIELDS`.
+    locate(path)                      run dir, checkpoints dir, step dir of ours, or HF dir
+                                      -> a CheckpointLocation (its `label` names it in tables)
+    stored_model_config(location)     its architecture (ours: the checkpoint's; HF: config.json)
+    stored_run_config(location)       the run config saved with it (ours; None for HF)
+    load_model(location, mesh)        its weights only, restored straight into their shards
+    source(stage, config, optimizer)  a first train state from it, with or without its Adam state
+    resume_config(config, run_dir)    a later stage resuming its own run (that wins over checkpoint.load)
+
+Weights only: eval, compare, generate and the lm-eval harness (`olmo_eqx.evaluation.run`), the
+soup. A train state: anneal and long context, whose `init_state` the loop calls only when the
+run has no checkpoint of its own. Which model fields may differ between a checkpoint and the
+config that continues it is `olmo_eqx.checkpoint.CONTINUABLE_FIELDS`.
+
+Checkpoints, Orbax and the model are imported inside the functions: the stage plugins import
+this module as soon as the stages are listed.
 """
 
 import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 from olmo_eqx.config import Config
 
@@ -25,6 +36,92 @@ def _print(text: str) -> None:
 
     if jax.process_index() == 0:
         print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a model is, and what it is
+
+
+def locate(path, key: str = "checkpoint.load", *, allow_hf: bool = True, error: Optional[type] = None):
+    """The checkpoint `path` names (`olmo_eqx.checkpoint_paths.resolve_checkpoint`: the latest
+    complete step of a run dir or checkpoints dir, one step dir, or a HF dir unless allow_hf is
+    False). Otherwise raises `error` (default `StageError`) as "<key>: <what is wrong and what
+    would do>", `key` being the setting the path came from."""
+    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(path, allow_hf=allow_hf)
+    except CheckpointNotFoundError as e:
+        if error is None:
+            from olmo_eqx.stages import StageError as error
+        raise error(f"{key}: {e}") from e
+
+
+def _reader(location):
+    """A read-only Checkpointer of our checkpoint at `location` (it never touches a save in
+    flight of a run still writing there, and refuses incomplete steps)."""
+    from olmo_eqx.checkpoint import Checkpointer
+
+    return Checkpointer(location.directory, keep_last=None, read_only=True)
+
+
+def stored_model_config(location, **fields):
+    """The architecture stored at `location` (ours: the checkpoint's ModelConfig; HF: what its
+    config.json maps to), with `fields` replaced: settings that don't change the stored weights
+    (runtime fields; for HF also `param_dtype`, the dtype its weights are read into)."""
+    if location.kind == "hf":
+        import json
+
+        from olmo_eqx.hf import model_config_from_hf
+
+        return model_config_from_hf(json.loads((location.directory / "config.json").read_text()), **fields)
+    with _reader(location) as checkpointer:
+        return checkpointer.stored_model_config(location.step).replace(**fields)
+
+
+def stored_run_config(location) -> Optional[dict]:
+    """The run config saved with our checkpoint at `location` (None for HF, or when none was saved)."""
+    if location.kind == "hf":
+        return None
+    with _reader(location) as checkpointer:
+        return checkpointer.stored_config(location.step)
+
+
+def with_runtime_fields(model, config: Config):
+    """The checkpoint's architecture with the configured runtime settings (they don't touch weights)."""
+    from olmo_eqx.checkpoint import RUNTIME_FIELDS
+
+    return dataclasses.replace(model, **{name: getattr(config.model, name) for name in RUNTIME_FIELDS})
+
+
+def load_model(location, mesh, rules=None, *, model_config=None):
+    """The weights at `location` (no optimiser state) as an `OLMo`, laid out on `mesh` as
+    training lays them out (FSDP by default); ours are restored straight into their shards.
+
+    model_config: the architecture to read them as; default the stored one. It may differ from
+    the stored one only in `CONTINUABLE_FIELDS` (ours: `CheckpointMismatchError` otherwise).
+    """
+    from olmo_eqx.sharding import ShardingRules, sharded_abstract_model
+
+    rules = rules if rules is not None else ShardingRules()
+    model_config = model_config if model_config is not None else stored_model_config(location)
+    if location.kind == "hf":
+        import jax
+
+        from olmo_eqx.checkpoint import CONTINUABLE_FIELDS
+        from olmo_eqx.hf import load_hf
+        from olmo_eqx.sharding import model_shardings
+
+        # The architecture is config.json's; the config sets only what may differ from it.
+        settings = {name: getattr(model_config, name) for name in CONTINUABLE_FIELDS + ("param_dtype",)}
+        model = load_hf(location.directory, **settings)
+        return jax.device_put(model, model_shardings(model, mesh, rules))
+    with _reader(location) as checkpointer:
+        return checkpointer.restore_model(location.step, target=sharded_abstract_model(model_config, mesh, rules))
+
+
+# ---------------------------------------------------------------------------------------------
+# A later stage's first train state
 
 
 def own_checkpoint(config: Config, run_dir: Path):
@@ -46,20 +143,6 @@ def resume_config(config: Config, run_dir: Path):
     if own is None:
         return None
     return dataclasses.replace(config, model=with_runtime_fields(stored_model_config(own), config))
-
-
-def stored_model_config(location):
-    from olmo_eqx.checkpoint import Checkpointer
-
-    with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
-        return checkpointer.stored_model_config(location.step)
-
-
-def with_runtime_fields(model, config: Config):
-    """The checkpoint's architecture with the configured runtime settings (they don't touch weights)."""
-    from olmo_eqx.checkpoint import RUNTIME_FIELDS
-
-    return dataclasses.replace(model, **{name: getattr(config.model, name) for name in RUNTIME_FIELDS})
 
 
 def note_model(stage: str, model, configured) -> None:
@@ -89,7 +172,6 @@ class Source:
 
 def source(stage: str, config: Config, optimizer: Optimizer) -> Source:
     """The checkpoint or HF weights named by `checkpoint.load`, with or without optimiser state."""
-    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
     from olmo_eqx.stages import StageError
 
     if not config.checkpoint.load:
@@ -97,80 +179,56 @@ def source(stage: str, config: Config, optimizer: Optimizer) -> Source:
             f"{stage} starts from earlier weights: set checkpoint.load=PATH (a run dir of ours, its "
             "checkpoints dir, one step dir, or a HF model dir)"
         )
-    try:
-        location = resolve_checkpoint(config.checkpoint.load)
-    except CheckpointNotFoundError as e:
-        raise StageError(f"checkpoint.load: {e}") from e
+    location = locate(config.checkpoint.load)
     if location.kind == "hf":
         if optimizer == "keep":
             raise StageError(
                 f"stage.optimizer=keep, but {location} holds HF weights, which carry no optimiser state; "
                 "use stage.optimizer=reset (or auto)"
             )
-        init = lambda c, m, r: _init_from_hf(stage, location, c, m, r)  # noqa: E731
-        return Source(_hf_model_config(location, config), init, location)
-    keep = optimizer in ("auto", "keep")
-    init = lambda c, m, r: _init_from_checkpoint(stage, location, keep, c, m, r)  # noqa: E731
+        init = lambda c, m, r: _init_weights_only(stage, location, c, m, r)  # noqa: E731
+        return Source(stored_model_config(location, param_dtype=config.model.param_dtype), init, location)
+    if optimizer in ("auto", "keep"):
+        init = lambda c, m, r: _init_from_train_state(stage, location, c, m, r)  # noqa: E731
+    else:
+        init = lambda c, m, r: _init_weights_only(stage, location, c, m, r)  # noqa: E731
     return Source(stored_model_config(location), init, location)
 
 
-def _hf_model_config(location, config: Config):
-    import json
-
-    from olmo_eqx.hf import model_config_from_hf
-
-    hf = json.loads((location.directory / "config.json").read_text())
-    return model_config_from_hf(hf, param_dtype=config.model.param_dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Initial states (called by the loop only when the run has no checkpoint of its own)
-
-
-def _init_from_checkpoint(stage: str, location, keep_optimizer: bool, config: Config, mesh, rules):
-    """Stage-1 weights (and Adam state when kept), laid out on *this* run's mesh."""
-    from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer
-    from olmo_eqx.sharding import sharded_abstract_model
+def _init_from_train_state(stage: str, location, config: Config, mesh, rules):
+    """Our checkpoint's weights and Adam state, laid out on *this* run's mesh, at step 0."""
+    from olmo_eqx.checkpoint import CheckpointMismatchError
     from olmo_eqx.stages import StageError
     from olmo_eqx.train.state import sharded_abstract_train_state
 
-    what = "weights and optimiser state" if keep_optimizer else "weights (fresh optimiser)"
-    _print(f"{stage}: starting from {location} ({what})")
-    with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
+    _print(f"{stage}: starting from {location} (weights and optimiser state)")
+    # The skip-step ring buffers are restored at their stored length (then reset).
+    stored = dataclasses.replace(config.optim, skip_step_window=_stored_window(location, config.optim))
+    target = sharded_abstract_train_state(config.model, stored, mesh, rules)
+    with _reader(location) as checkpointer:
         try:
-            if keep_optimizer:
-                # The skip-step ring buffers are restored at their stored length (then reset).
-                window = _stored_window(checkpointer, location.step, config.optim)
-                stored = dataclasses.replace(config.optim, skip_step_window=window)
-                target = sharded_abstract_train_state(config.model, stored, mesh, rules)
-                try:
-                    state = checkpointer.restore(location.step, target=target).state
-                except CheckpointMismatchError:
-                    raise
-                except Exception as e:  # an optimiser config whose state has another structure
-                    raise StageError(
-                        f"cannot restore the optimiser state of {location} under this optim config ({e}); "
-                        "use stage.optimizer=reset to start a fresh one"
-                    ) from e
-                return _restart(state, config.optim.skip_step_window, mesh)
-            target = sharded_abstract_model(config.model, mesh, rules)
-            model = checkpointer.restore_model(location.step, target=target)
+            state = checkpointer.restore(location.step, target=target).state
         except CheckpointMismatchError as e:
             raise StageError(f"checkpoint.load: {e}") from e
-    return fresh_state(model, config.optim, mesh, rules)
+        except Exception as e:  # an optimiser config whose state has another structure
+            raise StageError(
+                f"cannot restore the optimiser state of {location} under this optim config ({e}); "
+                "use stage.optimizer=reset to start a fresh one"
+            ) from e
+    return _restart(state, config.optim.skip_step_window, mesh)
 
 
-def _init_from_hf(stage: str, location, config: Config, mesh, rules):
-    import jax
+def _init_weights_only(stage: str, location, config: Config, mesh, rules):
+    """The weights (ours or HF) as `config.model`, on *this* run's mesh, with a fresh optimiser."""
+    from olmo_eqx.checkpoint import CheckpointMismatchError
+    from olmo_eqx.stages import StageError
 
-    from olmo_eqx.checkpoint import RUNTIME_FIELDS
-    from olmo_eqx.hf import load_hf
-    from olmo_eqx.sharding import model_shardings
-
-    _print(f"{stage}: starting from HF weights {location} (fresh optimiser)")
-    runtime = {name: getattr(config.model, name) for name in RUNTIME_FIELDS}
-    model = load_hf(location.directory, param_dtype=config.model.param_dtype, **runtime)
-    model = jax.device_put(model, model_shardings(model, mesh, rules))
+    what = "HF weights " if location.kind == "hf" else ""
+    _print(f"{stage}: starting from {what}{location} (fresh optimiser)")
+    try:
+        model = load_model(location, mesh, rules, model_config=config.model)
+    except CheckpointMismatchError as e:
+        raise StageError(f"checkpoint.load: {e}") from e
     return fresh_state(model, config.optim, mesh, rules)
 
 
@@ -194,11 +252,11 @@ def _fresh_state_function(model_config, optim_config, mesh, rules):
     )
 
 
-def _stored_window(checkpointer, step: int, optim_config) -> int:
+def _stored_window(location, optim_config) -> int:
     """The skip-step window of the run that wrote the checkpoint (its saved run config); the
     configured one when the checkpoint doesn't say."""
     try:
-        return int((checkpointer.stored_config(step) or {})["optim"]["skip_step_window"])
+        return int((stored_run_config(location) or {})["optim"]["skip_step_window"])
     except (KeyError, TypeError, ValueError):
         return optim_config.skip_step_window
 

@@ -20,11 +20,6 @@ class Eval:
     config_class = EvalSettings
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
-        from olmo_eqx.evaluation.load import EvalError
-        from olmo_eqx.evaluation.run import run_eval
-        from olmo_eqx.stages import StageError
+        from olmo_eqx.evaluation.run import run_eval  # an EvalError is a RunError: the CLI says it in one line
 
-        try:
-            return run_eval(config, run_dir)
-        except EvalError as e:
-            raise StageError(str(e)) from e
+        return run_eval(config, run_dir)

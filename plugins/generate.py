@@ -73,7 +73,7 @@ class Generate:
     config_class = GenerateSettings
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
-        from olmo_eqx.evaluation.load import EvalError
+        from olmo_eqx.errors import EvalError
         from olmo_eqx.stages import StageError
 
         try:
@@ -84,7 +84,7 @@ class Generate:
     def _run(self, config: Config, run_dir: Path) -> dict:
         import jax
 
-        from olmo_eqx.evaluation.load import EvalError
+        from olmo_eqx.errors import EvalError
         from olmo_eqx.evaluation.run import load_subject
         from olmo_eqx.generate import generate
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
@@ -119,15 +119,15 @@ class Generate:
         ]
         n_new = sum(c["new_tokens"] for c in completions)
         result = {
-            "model": subject.name, "source": str(subject.source.path), "kind": subject.source.kind,
-            "step": subject.source.step, "tokenizer": str(tokenizer.path), "settings": asdict(settings),
+            "model": subject.name, "source": str(subject.location), "kind": subject.location.kind,
+            "step": subject.location.step, "tokenizer": str(tokenizer.path), "settings": asdict(settings),
             "completions": completions, "new_tokens": n_new, "seconds": seconds,
             # Compilation included: a first call's figure, not the decode speed.
             "tokens_per_s": n_new / seconds if seconds else None,
         }
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            print(f"generate: {subject.name} ({subject.source.kind}) | tokenizer {tokenizer.path} | "
+            print(f"generate: {subject.name} ({subject.location.kind}) | tokenizer {tokenizer.path} | "
                   f"{'greedy' if settings.temperature == 0 else f'temperature {settings.temperature}'} | "
                   f"{len(prompts)} prompt(s), up to {settings.max_new_tokens} new tokens", flush=True)
             for c in completions:

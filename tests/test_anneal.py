@@ -12,10 +12,12 @@ from olmo_eqx.checkpoint import Checkpointer
 from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
 from olmo_eqx.config import compose_config
 from olmo_eqx.hf import save_hf
+from olmo_eqx.models.config import YarnConfig
 from olmo_eqx.sharding import ShardingRules, make_mesh
 from olmo_eqx.stages import StageError, load_stage
 from olmo_eqx.train.loop import train
 from olmo_eqx.train.state import sharded_abstract_train_state
+from olmo_eqx.warm_start import load_model, locate, stored_model_config
 
 from clihelp import TINY, olmo_eqx
 from test_pretrain import read_metrics
@@ -119,6 +121,10 @@ def test_from_hf_weights(pretrained, tmp_path):
     assert int(state.step) == 0
     with pytest.raises(StageError, match="no optimiser state.*stage.optimizer=reset"):
         _initial_state(tmp_path / "hf", ["stage.optimizer=keep"])
+    # Read as a continuing config (stage 3: YaRN, a longer context), HF weights keep those fields.
+    hf = locate(tmp_path / "hf")
+    longer = stored_model_config(hf).replace(yarn=YarnConfig(original_max_position_embeddings=64), max_sequence_length=256)
+    assert load_model(hf, make_mesh(config.mesh), model_config=longer).config == longer
 
 
 def test_checkpoint_paths_are_forgiving(pretrained, tmp_path):

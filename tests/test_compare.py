@@ -8,7 +8,7 @@ import pytest
 
 from olmo_eqx.checkpoint import export_hf
 from olmo_eqx.data.embedded import embedded_corpus
-from olmo_eqx.evaluation import Scorer, evaluate_heldout, evaluate_kl, load_model, resolve_model_source
+from olmo_eqx.evaluation import Scorer, evaluate_heldout, evaluate_kl, load_model, locate
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.olmo3 import OLMo
 from olmo_eqx.sharding import MeshConfig, make_mesh, model_shardings
@@ -44,8 +44,8 @@ def test_kl_of_a_model_with_itself_is_zero_and_of_two_models_positive(mesh):
 def test_our_checkpoint_and_its_hf_export_agree(tmp_path_factory, tmp_path, mesh):
     run = tiny_run(tmp_path_factory)
     hf_dir = export_hf(run / "checkpoints", tmp_path / "hf", step=12)
-    ours = load_model(resolve_model_source(str(run)), mesh)
-    theirs = load_model(resolve_model_source(str(hf_dir)), mesh)
+    ours = load_model(locate(str(run)), mesh)
+    theirs = load_model(locate(str(hf_dir)), mesh)
     result = evaluate_kl(Scorer(mesh), ours, theirs, embedded_corpus().heldout_set(64), batch_size=8, max_batches=1)
     assert result["kl"] < 1e-6 and result["loss_a"] == pytest.approx(result["loss_b"], rel=1e-6)
 

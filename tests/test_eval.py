@@ -153,7 +153,7 @@ def test_eval_stage_runs_through_the_cli(tmp_path_factory, tmp_path):
     assert not (tmp_path / "outputs").exists()
     assert "| held-out set" in result.stdout and "| toy_qa/mc_5shot" in result.stdout and "requests/s" in result.stdout
     results = json.loads((out / "eval.json").read_text())
-    assert results["step"] == 12 and results["kind"] == "checkpoint"
+    assert results["step"] == 12 and results["kind"] == "olmo_eqx"
     sets = {r["set"]: r for r in results["heldout"]}
     assert set(sets) == {"python-stdlib-heldout", "python-stdlib-heldout/library", "python-stdlib-heldout/tests"}
     # Same weights, instances and batch as the training loop's last held-out evaluation.

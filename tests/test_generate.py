@@ -127,7 +127,7 @@ def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path
     empty one starts from EOS), decoded with the run's tokenizer, equal to the library's greedy."""
     from clihelp import olmo_eqx as cli
     from evalhelp import tiny_run
-    from olmo_eqx.evaluation import TextTokenizer, load_model, resolve_model_source
+    from olmo_eqx.evaluation import TextTokenizer, load_model, locate
     from olmo_eqx.sharding import MeshConfig, make_mesh
 
     run = tiny_run(tmp_path_factory)
@@ -145,7 +145,7 @@ def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path
     for c in written["completions"]:
         assert c["prompt"] + c["completion"] in result.stdout
 
-    model = load_model(resolve_model_source(str(run)), make_mesh(MeshConfig(), devices=jax.devices()[:1]))
+    model = load_model(locate(str(run)), make_mesh(MeshConfig(), devices=jax.devices()[:1]))
     tokenizer = TextTokenizer(written["tokenizer"])
     ids = [i or [tokenizer.eos_id] for i in tokenizer.encode_batch(prompts)]
     expected = olmo_eqx.generate(model, ids, 8, stop_ids=[tokenizer.eos_id])

@@ -22,7 +22,7 @@ from olmo_eqx.data.heldout import HeldOutSet, document_bounds
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.mixes import source_from_paths
 from olmo_eqx.data.token_files import DataFileError, TokenFile, write_token_file
-from olmo_eqx.evaluation.load import EvalError
+from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.scoring import Scorer
 
 

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from olmo_eqx.evaluation.load import EvalError
+from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.tokens import TextTokenizer
 
 REQUESTS_FILE = "requests.jsonl.gz"

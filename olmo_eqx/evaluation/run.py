@@ -23,17 +23,11 @@ from typing import Optional
 import jax
 import numpy as np
 
+from olmo_eqx.checkpoint_paths import CheckpointLocation
 from olmo_eqx.config import Config, config_to_dict
+from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.downstream import evaluate_task, primary_score
 from olmo_eqx.evaluation.heldout import build_heldout_sets, evaluate_heldout, evaluate_kl
-from olmo_eqx.evaluation.load import (
-    EvalError,
-    ModelSource,
-    load_model,
-    resolve_model_source,
-    source_model_config,
-    stored_run_config,
-)
 from olmo_eqx.evaluation.report import diff, plot_domain_differences, table
 from olmo_eqx.evaluation.requests import Task, default_tasks_dir, read_task
 from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
@@ -42,9 +36,10 @@ from olmo_eqx.evaluation.tokens import TextTokenizer
 from olmo_eqx.models.olmo3 import OLMo
 from olmo_eqx.run_dir import RunDir
 from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
+from olmo_eqx.warm_start import load_model, locate, stored_model_config, stored_run_config, with_runtime_fields
 
 
-def find_tokenizer(source: ModelSource, explicit: Optional[str], config: Config, vocab_size: int) -> Optional[Path]:
+def find_tokenizer(location: CheckpointLocation, explicit: Optional[str], config: Config, vocab_size: int) -> Optional[Path]:
     """The model's tokenizer.json: `explicit`, else the HF directory's, else the training data's
     (the embedded corpus's when the checkpoint, or else this run, trained on it)."""
     if explicit:
@@ -52,9 +47,9 @@ def find_tokenizer(source: ModelSource, explicit: Optional[str], config: Config,
         if not path.is_file():
             raise EvalError(f"tokenizer {explicit} does not exist; give the model's tokenizer.json")
         return path
-    if source.kind == "hf" and (source.path / "tokenizer.json").is_file():
-        return source.path / "tokenizer.json"
-    data = (stored_run_config(source) or {}).get("data") or asdict(config.data)
+    if location.kind == "hf" and (location.directory / "tokenizer.json").is_file():
+        return location.directory / "tokenizer.json"
+    data = (stored_run_config(location) or {}).get("data") or asdict(config.data)
     if data.get("tokenizer") and Path(str(data["tokenizer"])).is_file():
         return Path(data["tokenizer"])
     if data.get("source") == "embedded":
@@ -71,24 +66,24 @@ class Subject:
     """A model under evaluation, with what is known about its text."""
 
     name: str
-    source: ModelSource
+    location: CheckpointLocation  # where it was loaded from
     model: OLMo
     tokenizer: Optional[TextTokenizer]
 
 
 def load_subject(path: str, name: Optional[str], tokenizer: Optional[str], config: Config, mesh, rules) -> Subject:
-    source = resolve_model_source(path)
-    runtime = dict(attention_impl=config.model.attention_impl, compute_dtype=config.model.compute_dtype)
-    model_config = source_model_config(source, **runtime)
-    model = load_model(source, mesh, rules, **runtime)
-    tokenizer_path = find_tokenizer(source, tokenizer, config, model_config.vocab_size)
+    location = locate(path, f"checkpoint.load={path}", error=EvalError)
+    # How it runs here (attention, compute dtype) is this run's: those fields don't touch weights.
+    model_config = with_runtime_fields(stored_model_config(location), config)
+    model = load_model(location, mesh, rules, model_config=model_config)
+    tokenizer_path = find_tokenizer(location, tokenizer, config, model_config.vocab_size)
     text = TextTokenizer(tokenizer_path) if tokenizer_path else None
     if text is not None and text.vocab_size > model_config.vocab_size:
         raise EvalError(
             f"tokenizer {tokenizer_path} has {text.vocab_size} ids but the model only {model_config.vocab_size}: "
             "it is not this model's tokenizer (set stage.tokenizer)"
         )
-    return Subject(name or source.label, source, model, text)
+    return Subject(name or location.label, location, model, text)
 
 
 def load_tasks(settings: EvalSettings, say: Callable[[str], None]) -> list[Task]:
@@ -176,9 +171,9 @@ class Evaluator:
         seconds = sum(r["seconds"] for r in downstream)
         return {
             "model": subject.name,
-            "source": str(subject.source.path),
-            "kind": subject.source.kind,
-            "step": subject.source.step,
+            "source": str(subject.location),
+            "kind": subject.location.kind,
+            "step": subject.location.step,
             "model_config": asdict(model.config),
             "tokenizer": str(subject.tokenizer.path) if subject.tokenizer else None,
             "heldout": heldout,
@@ -232,7 +227,7 @@ def run_eval(config: Config, run_dir: Path, settings: Optional[EvalSettings] = N
     ev = Evaluator(config, settings, run_dir, "eval")
     try:
         subject = load_subject(path, None, settings.tokenizer, config, ev.mesh, ev.rules)
-        ev.say(f"eval: {subject.name} ({subject.source.kind}, {subject.model.config.name}) | tokenizer "
+        ev.say(f"eval: {subject.name} ({subject.location.kind}, {subject.model.config.name}) | tokenizer "
                f"{subject.tokenizer.path if subject.tokenizer else 'unknown'} | {jax.device_count()} "
                f"{jax.devices()[0].platform} device(s), mesh {dict(ev.mesh.shape)} | run dir {ev.run_dir}")
         tasks = load_tasks(settings, ev.say)
@@ -250,7 +245,7 @@ def run_eval(config: Config, run_dir: Path, settings: Optional[EvalSettings] = N
         first = results["heldout"][0] if results["heldout"] else None
         summary = {
             "model": subject.name,
-            "step": subject.source.step,
+            "step": subject.location.step,
             "heldout_loss": first["loss"] if first else None,
             # The target tokens that loss covers (stage.heldout_batches batches of the set): the
             # training summary's final_heldout_loss covers trainer.eval_batches batches.
@@ -296,7 +291,7 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
         if a.tokenizer and b.tokenizer and a.tokenizer.sha256 != b.tokenizer.sha256:
             ev.say(f"warning: {a.name} and {b.name} have different tokenizer files; held-out text is read as "
                    "token ids of one vocabulary, so losses and KL assume they encode text the same way")
-        ev.say(f"compare: A = {a.name} ({a.source.kind}) | B = {b.name} ({b.source.kind}) | "
+        ev.say(f"compare: A = {a.name} ({a.location.kind}) | B = {b.name} ({b.location.kind}) | "
                f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
         tasks = load_tasks(settings, ev.say)
         sets = ev.heldout_sets(a.model.config.vocab_size)
@@ -347,7 +342,7 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
 
         name_a, name_b = a.name, b.name
         md = [f"# Parity report: A = {name_a}, B = {name_b}", "",
-              f"A: `{a.source.path}` ({a.source.kind})  ", f"B: `{b.source.path}` ({b.source.kind})  ",
+              f"A: `{a.location}` ({a.location.kind})  ", f"B: `{b.location}` ({b.location.kind})  ",
               "Differences are A - B. KL(A‖B) = sum_v p_A(v) (log p_A(v) - log p_B(v)), averaged over held-out target tokens (nats).", ""]
         overview = []
         if surfaces["heldout_loss"]:
