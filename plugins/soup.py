@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from olmo_eqx.config import Config, build
+from olmo_eqx.config import Config
 
 SOUP_STEP = 0
 
@@ -52,28 +52,25 @@ class Soup:
         import jax
 
         from olmo_eqx.checkpoint import Checkpointer
-        from olmo_eqx.config import config_to_dict
+        from olmo_eqx.config import config_to_dict, stage_settings
         from olmo_eqx.run_dir import RunDir
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
         from olmo_eqx.stages import StageError
-
-        from olmo_eqx.warm_start import fresh_state
+        from olmo_eqx.warm_start import fresh_state, locate, own_checkpoint
 
         maybe_initialize_distributed()
-        settings = config.stage if isinstance(config.stage, SoupSettings) else build(SoupSettings, config.stage or {}, "stage")
+        settings = stage_settings(self, "soup", config.stage or {})
         if not settings.checkpoints:
             raise StageError("soup needs the checkpoints to average: stage.checkpoints=[PATH,PATH,...]")
         run_dir = Path(run_dir).resolve()
-        main_process = jax.process_index() == 0
-        locations = _locate(settings.checkpoints)
+        # The soup averages checkpoints of ours (HF weights have no step to name the result by).
+        locations = [locate(path, f"stage.checkpoints[{i}]", allow_hf=False) for i, path in enumerate(settings.checkpoints)]
         model_config = _common_model_config(locations)
         weights = settings.weights or (1.0,) * len(locations)
 
+        if (existing := own_checkpoint(config, run_dir)) is not None:
+            raise StageError(f"{existing.directory} already holds a checkpoint; give the soup a new run dir (hydra.run.dir=...)")
         out_dir = Path(config.checkpoint.dir).expanduser().resolve() if config.checkpoint.dir else run_dir / "checkpoints"
-        from olmo_eqx.checkpoint_paths import _complete_steps
-
-        if _complete_steps(out_dir):
-            raise StageError(f"{out_dir} already holds a checkpoint; give the soup a new run dir (hydra.run.dir=...)")
         try:
             mesh = make_mesh(config.mesh)
         except ValueError as e:
@@ -81,7 +78,7 @@ class Soup:
         rules = ShardingRules()
         total = sum(weights)
         # Everything above refuses bad input before the run dir gets a file (soup.log included).
-        out = RunDir(run_dir, enabled=main_process, log_name="soup.log")
+        out = RunDir(run_dir, enabled=jax.process_index() == 0, log_name="soup.log")
         out.print(f"soup of {len(locations)} checkpoint(s) of {model_config.name} on mesh {dict(mesh.shape)}:")
         for location, weight in zip(locations, weights):
             out.print(f"  {weight / total:.4f} x {location}")
@@ -108,28 +105,13 @@ class Soup:
         return summary
 
 
-def _locate(paths):
-    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
-    from olmo_eqx.stages import StageError
-
-    locations = []
-    for i, path in enumerate(paths):
-        try:
-            locations.append(resolve_checkpoint(path, allow_hf=False))
-        except CheckpointNotFoundError as e:
-            raise StageError(f"stage.checkpoints[{i}]: {e}") from e
-    return locations
-
-
 def _common_model_config(locations):
     """The model config every checkpoint shares; a clear error naming the odd one out otherwise."""
-    from olmo_eqx.checkpoint import CheckpointMismatchError, Checkpointer, check_model_config
+    from olmo_eqx.checkpoint import CheckpointMismatchError, check_model_config
     from olmo_eqx.stages import StageError
+    from olmo_eqx.warm_start import stored_model_config
 
-    configs = []
-    for location in locations:
-        with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
-            configs.append(checkpointer.stored_model_config(location.step))
+    configs = [stored_model_config(location) for location in locations]
     for location, config in zip(locations[1:], configs[1:]):
         try:
             check_model_config(config, configs[0], f"checkpoint {location}")
@@ -146,13 +128,12 @@ def average_checkpoints(locations, weights, model_config, mesh, rules):
     accumulating in float32; the result has the model's parameter dtype and shardings."""
     import jax.numpy as jnp
 
-    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.warm_start import load_model
 
-    target, first, add, finish = _averaging_functions(model_config, mesh, rules)
+    first, add, finish = _averaging_functions(model_config, mesh, rules)
     total = None
     for location, weight in zip(locations, weights):
-        with Checkpointer(location.directory, keep_last=None, read_only=True) as checkpointer:
-            model = checkpointer.restore_model(location.step, target=target)
+        model = load_model(location, mesh, rules, model_config=model_config)
         w = jnp.float32(weight)
         total = first(model, w) if total is None else add(total, model, w)
         del model  # freed before the next restore
@@ -161,7 +142,7 @@ def average_checkpoints(locations, weights, model_config, mesh, rules):
 
 @functools.lru_cache(maxsize=4)
 def _averaging_functions(model_config, mesh, rules):
-    """(restore target, first, add, finish), compiled once per model config and mesh."""
+    """(first, add, finish), compiled once per model config and mesh."""
     import jax
     import jax.numpy as jnp
 
@@ -185,4 +166,4 @@ def _averaging_functions(model_config, mesh, rules):
         donate_argnums=0,
         out_shardings=shardings,
     )
-    return target, first, add, finish
+    return first, add, finish
