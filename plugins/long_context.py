@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from olmo_eqx.config import Config, build
+from olmo_eqx.config import Config
 from olmo_eqx.warm_start import Optimizer
 
 
@@ -47,11 +47,12 @@ class LongContext:
     config_class = LongContextSettings
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
+        from olmo_eqx.config import stage_settings
         from olmo_eqx.models.config import YarnConfig
         from olmo_eqx.train.loop import train
         from olmo_eqx.warm_start import note_model, resume_config, source, with_runtime_fields
 
-        settings = config.stage if isinstance(config.stage, LongContextSettings) else build(LongContextSettings, config.stage or {}, "stage")
+        settings = stage_settings(self, "long_context", config.stage or {})
         run_dir = Path(run_dir).resolve()
         config = dataclasses.replace(config, stage=settings)
         if (resumed := resume_config(config, run_dir)) is not None:  # its own checkpoint holds the stage-3 model
@@ -78,24 +79,32 @@ class LongContext:
 
         summary = train(config, run_dir, init_state=init_state)
         if before and summary is not None:
-            summary = {**summary, "heldout_loss_before": before["loss"]}
-            _print(
-                f"\nheld-out loss at sequence length {config.data.sequence_length} "
-                f"({before['tokens']:,.0f} tokens): before {before['loss']:.4f} | after {summary.get('final_heldout_loss') or float('nan'):.4f}"
-            )
-            _rewrite_summary(run_dir, summary)
+            summary = _add_loss_before(config, run_dir, summary, before)
         return summary
 
 
 def _source_sequence_length(start) -> Optional[int]:
-    """The sequence length the source checkpoint trained at (its stored run config)."""
-    from olmo_eqx.checkpoint import Checkpointer
+    """The sequence length the source checkpoint trained at (its stored run config; None for HF)."""
+    from olmo_eqx.warm_start import stored_run_config
 
-    if start.location.kind != "olmo_eqx":
-        return None
-    with Checkpointer(start.location.directory, keep_last=None, read_only=True) as checkpointer:
-        stored = checkpointer.stored_config(start.location.step) or {}
-    return (stored.get("data") or {}).get("sequence_length")
+    return ((stored_run_config(start.location) or {}).get("data") or {}).get("sequence_length")
+
+
+def _add_loss_before(config: Config, run_dir: Path, summary: dict, before: dict) -> dict:
+    """The summary with the held-out loss before the stage, said beside the one after (in
+    train.log too) and written back to summary.json."""
+    import jax
+
+    from olmo_eqx.run_dir import RunDir
+    from olmo_eqx.train.loop import LOG_FILE
+
+    summary = {**summary, "heldout_loss_before": before["loss"]}
+    after = summary.get("final_heldout_loss") or float("nan")
+    with RunDir(run_dir, enabled=jax.process_index() == 0, log_name=LOG_FILE) as out:
+        out.print(f"\nheld-out loss at sequence length {config.data.sequence_length} ({before['tokens']:,.0f} tokens): "
+                  f"before {before['loss']:.4f} | after {after:.4f}")
+        out.write_summary(summary)
+    return summary
 
 
 def _heldout_loss(config: Config, model, mesh, rules) -> dict:
@@ -118,21 +127,3 @@ def _heldout_loss(config: Config, model, mesh, rules) -> dict:
     results = evaluate(make_eval_step(mesh, rules), model, sets)
     tokens = sum(count for _, count in results.values())
     return {"loss": sum(loss * count for loss, count in results.values()) / max(tokens, 1.0), "tokens": tokens}
-
-
-def _print(text: str) -> None:
-    import jax
-
-    if jax.process_index() == 0:
-        print(text, flush=True)
-
-
-def _rewrite_summary(run_dir: Path, summary: dict) -> None:
-    import json
-
-    import jax
-
-    from olmo_eqx.sweep import SUMMARY_FILE
-
-    if jax.process_index() == 0:
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")

@@ -158,6 +158,8 @@ def test_long_context_from_a_checkpoint_with_context_parallelism(pretrained, tmp
     out = capsys.readouterr().out
     assert "(weights and optimiser state)" in out and "mesh {'data': 1, 'fsdp': 4, 'context': 2, 'tensor': 1}" in out
     assert "held-out loss at sequence length 256" in out
+    assert "held-out loss at sequence length 256" in (tmp_path / "train.log").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["heldout_loss_before"] == summary["heldout_loss_before"]
     assert np.isfinite(summary["heldout_loss_before"]) and np.isfinite(summary["final_heldout_loss"])
     with Checkpointer(tmp_path / "checkpoints", keep_last=None, read_only=True) as checkpointer:
         model = checkpointer.stored_model_config()
