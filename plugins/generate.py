@@ -2,8 +2,8 @@
 
 Completes each prompt with `olmo_eqx.generate` (KV cache; greedy unless stage.temperature > 0),
 decoded with the checkpoint's tokenizer (found as the eval stage finds it: stage.tokenizer, the
-HF directory's, or the training data's, e.g. the embedded corpus's), printed and written to
-`generations.json` in the run directory.
+HF directory's, or the training data's, e.g. the embedded corpus's), printed (and kept in
+`generate.log`) and written to `generations.json` and `summary.json` in the run directory.
 """
 
 import json
@@ -73,27 +73,27 @@ class Generate:
     config_class = GenerateSettings
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
-        from olmo_eqx.errors import EvalError
         from olmo_eqx.stages import StageError
 
         try:
             return self._run(config, Path(run_dir).resolve())
-        except (EvalError, ValueError) as e:
+        except ValueError as e:  # a bad prompt file or sampling setting; EvalError is one too
             raise StageError(str(e)) from e
 
     def _run(self, config: Config, run_dir: Path) -> dict:
         import jax
 
+        from olmo_eqx.config import stage_settings
         from olmo_eqx.errors import EvalError
         from olmo_eqx.evaluation.run import load_subject
         from olmo_eqx.generate import generate
+        from olmo_eqx.run_dir import RunDir
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
 
-        settings = config.stage if isinstance(config.stage, GenerateSettings) else GenerateSettings()
+        settings = stage_settings(self, "generate", config.stage or {})
         if not config.checkpoint.load:
             raise EvalError("generate needs a model: checkpoint.load=<run dir | checkpoints dir | step dir | HF dir>")
         maybe_initialize_distributed()
-        main = jax.process_index() == 0
         mesh, rules = make_mesh(config.mesh), ShardingRules()
         subject = load_subject(config.checkpoint.load, None, settings.tokenizer, config, mesh, rules)
         tokenizer = subject.tokenizer
@@ -125,17 +125,15 @@ class Generate:
             # Compilation included: a first call's figure, not the decode speed.
             "tokens_per_s": n_new / seconds if seconds else None,
         }
-        if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            print(f"generate: {subject.name} ({subject.location.kind}) | tokenizer {tokenizer.path} | "
-                  f"{'greedy' if settings.temperature == 0 else f'temperature {settings.temperature}'} | "
-                  f"{len(prompts)} prompt(s), up to {settings.max_new_tokens} new tokens", flush=True)
+        with RunDir(run_dir, enabled=jax.process_index() == 0, log_name="generate.log") as out:
+            out.print(f"generate: {subject.name} ({subject.location.kind}) | tokenizer {tokenizer.path} | "
+                      f"{'greedy' if settings.temperature == 0 else f'temperature {settings.temperature}'} | "
+                      f"{len(prompts)} prompt(s), up to {settings.max_new_tokens} new tokens")
             for c in completions:
-                print(f"\n--- prompt ({c['prompt_tokens']} tokens) + completion ({c['new_tokens']} tokens"
-                      f"{', stopped at EOS' if c['stopped'] else ''}) ---\n{c['prompt']}{c['completion']}", flush=True)
-            print(f"\n{n_new} new tokens in {seconds:.1f}s (compilation included) | {run_dir / 'generations.json'}")
-            (run_dir / "generations.json").write_text(json.dumps(result, indent=2) + "\n")
-            summary = {"model": subject.name, "completions": len(completions), "new_tokens": n_new,
-                       "seconds": seconds, "results": str(run_dir / "generations.json")}
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                out.print(f"\n--- prompt ({c['prompt_tokens']} tokens) + completion ({c['new_tokens']} tokens"
+                          f"{', stopped at EOS' if c['stopped'] else ''}) ---\n{c['prompt']}{c['completion']}")
+            results = out.write_json("generations.json", result)
+            out.print(f"\n{n_new} new tokens in {seconds:.1f}s (compilation included) | {results}")
+            out.write_summary({"model": subject.name, "completions": len(completions), "new_tokens": n_new,
+                               "seconds": seconds, "results": str(results)})
         return result
