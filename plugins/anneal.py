@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from olmo_eqx.config import Config, build
+from olmo_eqx.config import Config
 from olmo_eqx.warm_start import Optimizer
 
 
@@ -44,10 +44,11 @@ class Anneal:
     config_class = AnnealSettings
 
     def run(self, config: Config, run_dir: Path) -> Optional[dict]:
+        from olmo_eqx.config import stage_settings
         from olmo_eqx.train.loop import train  # jax is imported only when a stage runs
         from olmo_eqx.warm_start import note_model, resume_config, source, with_runtime_fields
 
-        settings = config.stage if isinstance(config.stage, AnnealSettings) else build(AnnealSettings, config.stage or {}, "stage")
+        settings = stage_settings(self, "anneal", config.stage or {})
         run_dir = Path(run_dir).resolve()
         config = dataclasses.replace(config, stage=settings)
         if (resumed := resume_config(config, run_dir)) is not None:
