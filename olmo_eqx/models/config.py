@@ -62,6 +62,10 @@ class ModelConfig:
     # Sequence positions per chunk of the training loss: the float32 logits of one chunk
     # ([batch, chunk, vocab]) exist at a time, rematerialised in the backward pass.
     loss_chunk_size: int = 1024
+    # Layers run as a scan over attention cycles (one compiled cycle: compile time and HLO
+    # independent of depth, what large models need) or unrolled (no loop: about 6% faster
+    # steps on CPU for small models). None: unrolled up to 2 cycles (8 OLMo 3 layers).
+    scan_layers: Optional[bool] = None
 
     def __post_init__(self):
         problems = []
@@ -90,6 +94,13 @@ class ModelConfig:
     def cycle_length(self) -> int:
         """Layers per scanned cycle: 4 for OLMo 3's 3 sliding + 1 full, 1 when all are full."""
         return 1 if self.sliding_window is None else self.full_attention_every
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers run as a scan (see `scan_layers`)."""
+        if self.scan_layers is not None:
+            return self.scan_layers
+        return self.n_layers // self.cycle_length > 2
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:

@@ -1,6 +1,6 @@
 """OLMo 3 (and OLMo 2) as Equinox modules, readable top to bottom.
 
-    tokens -> embed -> [Block x n_layers, scanned one attention cycle at a time] -> norm -> head
+    tokens -> embed -> [Block x n_layers, one attention cycle at a time] -> norm -> head
 
 A Block is the *reordered-norm* transformer block (no pre-norm):
 
@@ -52,6 +52,22 @@ HIDDEN = ("batch", "sequence", "act_embed")
 def _axes(*names: str):
     """A module field holding an array whose dimensions have these logical names."""
     return eqx.field(metadata={"axes": names})
+
+
+def dense(x: Float[Array, "batch seq d_in"], weight: Float[Array, "d_in d_out"], constrain: Constrain = unconstrained) -> Float[Array, "batch seq d_out"]:
+    """`x @ weight` (in x's dtype), as one 2-D matmul over all batch x seq tokens.
+
+    Why 2-D: XLA:CPU turns the weight gradient of the 3-D form (a contraction over batch and
+    sequence) into a transposed copy of the output gradient plus a slow transposed dot, which
+    doubled the backward pass (scripts/bench_train.py; docs/performance.md). Merging batch
+    and sequence is a free reshape, except when the sequence is sharded (context
+    parallelism): then the merged axis has no layout GSPMD can keep, so the 3-D form stays.
+    """
+    weight = weight.astype(x.dtype)
+    spec = getattr(constrain, "spec", None)
+    if spec is not None and spec(x.shape, HIDDEN)[1] is not None:
+        return jnp.einsum("bsd,df->bsf", x, weight)
+    return (x.reshape(-1, x.shape[-1]) @ weight).reshape(*x.shape[:-1], weight.shape[-1])
 
 
 def _truncated_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -> Array:
@@ -163,7 +179,7 @@ class Attention(eqx.Module):
     ) -> Float[Array, "batch seq d_model"]:
         q, k, v = self.project(x, rope, config=config, constrain=constrain)
         context = attend(q, k, v, mask, implementation=config.attention_impl, constrain=constrain)
-        return self.output(constrain(context, HEADS))
+        return self.output(constrain(context, HEADS), constrain)
 
     def project(
         self, x: Float[Array, "batch seq d_model"], rope: Rope, *, config: ModelConfig, constrain: Constrain = unconstrained
@@ -175,19 +191,44 @@ class Attention(eqx.Module):
         """q, k, v after QK-norm and RoPE (k and v are what a KV cache keeps: `olmo_eqx.generate`)."""
         batch, seq, _ = x.shape
         # The names mark what the "save_projections" remat policy keeps for the backward pass.
-        q = checkpoint_name(x @ self.q_proj.astype(x.dtype), "q_proj")
-        k = checkpoint_name(x @ self.k_proj.astype(x.dtype), "k_proj")
-        v = checkpoint_name(x @ self.v_proj.astype(x.dtype), "v_proj")
+        q = checkpoint_name(dense(x, self.q_proj, constrain), "q_proj")
+        k = checkpoint_name(dense(x, self.k_proj, constrain), "k_proj")
+        v = checkpoint_name(dense(x, self.v_proj, constrain), "v_proj")
         q = constrain(rope(self.q_norm(q).reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
         k = constrain(rope(self.k_norm(k).reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
         v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
         return q, k, v
 
-    def output(self, context: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq d_model"]:
+    def output(
+        self, context: Float[Array, "batch seq heads head_dim"], constrain: Constrain = unconstrained
+    ) -> Float[Array, "batch seq d_model"]:
         """The output projection of the attention context."""
         batch, seq = context.shape[:2]
         context = checkpoint_name(context, "attention_context")
-        return checkpoint_name(context.reshape(batch, seq, -1) @ self.o_proj.astype(context.dtype), "o_proj")
+        return checkpoint_name(dense(context.reshape(batch, seq, -1), self.o_proj, constrain), "o_proj")
+
+
+@jax.custom_vjp
+def swiglu(gate: Float[Array, "*tokens hidden"], up: Float[Array, "*tokens hidden"]) -> Float[Array, "*tokens hidden"]:
+    """silu(gate) * up. Its backward keeps only gate and up (which the projections produce
+    anyway) and recomputes the sigmoid: autodiff of the plain expression also stores
+    exp(-gate) and silu(gate), three passes over the MLP's widest activation instead of one."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_forward(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_backward(residuals, d_out):
+    gate, up = residuals
+    sigmoid = jax.nn.sigmoid(gate)
+    silu = gate * sigmoid
+    d_gate = d_out * up * (sigmoid + silu * (1 - sigmoid))
+    return d_gate, d_out * silu
+
+
+swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
 class MLP(eqx.Module):
@@ -209,9 +250,9 @@ class MLP(eqx.Module):
         self, x: Float[Array, "batch seq d_model"], constrain: Constrain = unconstrained
     ) -> Float[Array, "batch seq d_model"]:
         hidden = ("batch", "sequence", "act_mlp")
-        gate = constrain(checkpoint_name(x @ self.gate_proj.astype(x.dtype), "gate_proj"), hidden)
-        up = constrain(checkpoint_name(x @ self.up_proj.astype(x.dtype), "up_proj"), hidden)
-        return checkpoint_name((jax.nn.silu(gate) * up) @ self.down_proj.astype(x.dtype), "down_proj")
+        gate = constrain(checkpoint_name(dense(x, self.gate_proj, constrain), "gate_proj"), hidden)
+        up = constrain(checkpoint_name(dense(x, self.up_proj, constrain), "up_proj"), hidden)
+        return checkpoint_name(dense(swiglu(gate, up), self.down_proj, constrain), "down_proj")
 
 
 class Block(eqx.Module):
@@ -328,7 +369,8 @@ class OLMo(eqx.Module):
             apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[config.remat])
 
         def run_cycle(x, cycle: Block):
-            # One attention cycle (3 sliding + 1 full on OLMo 3), unrolled; cycles are scanned.
+            # One attention cycle (3 sliding + 1 full on OLMo 3), unrolled; cycles are scanned
+            # (unrolled too for small models: `ModelConfig.scan_layers`).
             for j in range(config.cycle_length):
                 block = jax.tree.map(lambda a: a[j], cycle)
                 sliding = config.is_sliding(j)
@@ -338,7 +380,7 @@ class OLMo(eqx.Module):
 
         n_cycles = config.n_layers // config.cycle_length
         cycles = jax.tree.map(lambda a: a.reshape(n_cycles, config.cycle_length, *a.shape[1:]), self.blocks)
-        x, _ = jax.lax.scan(run_cycle, x, cycles)
+        x, _ = jax.lax.scan(run_cycle, x, cycles, unroll=1 if config.scanned else n_cycles)
         return self.final_norm(x)
 
     def logits(

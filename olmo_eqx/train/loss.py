@@ -67,6 +67,18 @@ def loss_sums(
     return _sums(logits, *_shifted_targets(input_ids, loss_mask))
 
 
+def _logits(
+    hidden: Float[Array, "batch seq d_model"], head: Float[Array, "d_model padded_vocab"], constrain: Constrain
+) -> Float[Array, "batch seq padded_vocab"]:
+    """float32 `hidden @ head`, as one 2-D matmul over all tokens (see `olmo_eqx.models.olmo3.dense`
+    for why) unless the sequence is sharded."""
+    spec = getattr(constrain, "spec", None)
+    if spec is not None and spec(hidden.shape, ("batch", "sequence", "act_embed"))[1] is not None:
+        return jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=jnp.float32)
+    flat = jnp.matmul(hidden.reshape(-1, hidden.shape[-1]), head, preferred_element_type=jnp.float32)
+    return flat.reshape(*hidden.shape[:-1], head.shape[-1])
+
+
 def chunked_loss_sums(
     hidden: Float[Array, "batch seq d_model"],
     head: Float[Array, "d_model padded_vocab"],
@@ -90,9 +102,9 @@ def chunked_loss_sums(
     head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
 
     def chunk_sums(h, labels, weights) -> LossSums:
-        logits = jnp.einsum("bsd,dv->bsv", h, head, preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "sequence", "act_vocab"))
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+        logits = constrain(_logits(h, head, constrain), ("batch", "sequence", "act_vocab"))
+        if vocab_size < logits.shape[-1]:  # padding columns never enter a prediction
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
         return _sums(logits, labels, weights)
 
     batch, length = input_ids.shape
