@@ -227,19 +227,24 @@ def _backward(q, k, v, out, lse, d_out, lay: _Layout, st: _Static):
         k_blk, v_blk = _slice(k, j, block, 2), _slice(v, j, block, 2)
 
         def query_block(i, acc):
-            dk_acc, dv_acc, dq = acc
+            dk_t, dv_t, dq = acc
             q_blk = _slice(q, i, block, 3)
             p, ds = block_grads(i, j, q_blk, k_blk, v_blk)
             d_out_blk = _slice(d_out, i, block, 3)
-            dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(v.dtype), d_out_blk, preferred_element_type=jnp.float32)
-            dk_acc += jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q_blk, preferred_element_type=jnp.float32)
+            # dk and dv are gathered transposed, [d, k] = [d, q] @ [q, k]: contracting over the
+            # queries this way transposes the [q, d] operand, not the 4x larger [q, k] block.
+            dv_t += jnp.einsum("bhgqd,bhgqk->bhdk", d_out_blk, p.astype(v.dtype), preferred_element_type=jnp.float32)
+            dk_t += jnp.einsum("bhgqd,bhgqk->bhdk", q_blk, ds.astype(q.dtype), preferred_element_type=jnp.float32)
             dq_blk = _slice(dq, i, block, 3) + jnp.einsum(
                 "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32
             )
-            return dk_acc, dv_acc, jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * block, axis=3)
+            return dk_t, dv_t, jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * block, axis=3)
 
-        zeros = jnp.zeros(k_blk.shape, jnp.float32)
-        dk_blk, dv_blk, dq = jax.lax.fori_loop(*_query_blocks(j, st, lay, n_q), query_block, (zeros, zeros, dq))
+        zeros = jnp.zeros(k_blk.shape[:-2] + k_blk.shape[:-3:-1], jnp.float32)  # [b, h, d, k]
+        dk_t, dv_t, dq = jax.lax.fori_loop(*_query_blocks(j, st, lay, n_q), query_block, (zeros, zeros, dq))
+        # The barrier keeps XLA from folding the transpose back into the matmuls (one query
+        # block: no loop), which would bring the large transposed copy back.
+        dk_blk, dv_blk = (jnp.swapaxes(t, -1, -2) for t in jax.lax.optimization_barrier((dk_t, dv_t)))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(k.dtype), j * block, axis=2)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), j * block, axis=2)
         return dq, dk, dv
