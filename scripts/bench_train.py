@@ -18,7 +18,7 @@ The PyTorch side needs the test extras (`pip install -e '.[test]'`); without the
 """
 
 import argparse
-import math
+import importlib.util
 import multiprocessing
 import os
 import statistics
@@ -197,14 +197,11 @@ def _call(connection, *command):
 
 
 def compare(args) -> None:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-
-        sides = ["olmo_eqx", "pytorch"]
-    except ImportError:
+    sides = ["olmo_eqx"]
+    if all(importlib.util.find_spec(name) for name in ("torch", "transformers")):
+        sides.append("pytorch")
+    else:
         print("transformers/torch not installed (pip install -e '.[test]'): timing olmo_eqx alone")
-        sides = ["olmo_eqx"]
     tokens = args.batch * args.seq
     results = {side: {"times": []} for side in sides}
     with tempfile.TemporaryDirectory() as tmp:

@@ -240,7 +240,8 @@ def _backward(q, k, v, out, lse, d_out, lay: _Layout, st: _Static):
             )
             return dk_t, dv_t, jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * block, axis=3)
 
-        zeros = jnp.zeros(k_blk.shape[:-2] + k_blk.shape[:-3:-1], jnp.float32)  # [b, h, d, k]
+        *batch_heads, keys, head_dim = k_blk.shape
+        zeros = jnp.zeros((*batch_heads, head_dim, keys), jnp.float32)
         dk_t, dv_t, dq = jax.lax.fori_loop(*_query_blocks(j, st, lay, n_q), query_block, (zeros, zeros, dq))
         # The barrier keeps XLA from folding the transpose back into the matmuls (one query
         # block: no loop), which would bring the large transposed copy back.
@@ -285,8 +286,8 @@ def blockwise_attention(
 
     Equal to `reference_attention` (float32: to rounding); any sequence length (padded to a
     whole number of blocks inside); block_size (default `default_block_size()`) is clipped to
-    the sequence. Blocks that no
-    query may see (causal band, window, other documents) are never visited.
+    the sequence. Blocks that no query may see (causal band, window, other documents) are
+    never visited.
     """
     block_size = block_size or default_block_size()
     return _attention_of_shard(q, k, v, mask.sliding_window, mask.segment_ids, mask.segment_ids, 0, block_size)
@@ -321,6 +322,14 @@ def _attention_of_shard(q, k, v, sliding_window, seg_q, seg_k, q_offset, block_s
 # Dispatch
 
 
+def sequence_sharded(constrain, shape: tuple[int, ...]) -> bool:
+    """Whether `constrain` (the model's activation sharding; `olmo_eqx.sharding.ActivationSharding`)
+    splits the sequence (dimension 1) of a [batch, seq, ...] activation over the mesh: context
+    parallelism. Never with the no-op `unconstrained` or a one-device mesh."""
+    spec = getattr(constrain, "spec", None)
+    return spec is not None and spec(shape[:2], ("batch", "sequence"))[1] is not None
+
+
 def resolve_implementation(implementation: str, dtype) -> str:
     """The concrete kernel for `implementation` on this platform ("auto" picks per platform)."""
     if implementation != "auto":
@@ -350,7 +359,7 @@ def attend(
     kernel. Kernels the compiler cannot partition (splash) also run per shard.
     """
     mesh = getattr(constrain, "mesh", None)
-    if mesh is not None and mesh.size > 1 and constrain.spec(q.shape, HEADS)[1] is not None:
+    if sequence_sharded(constrain, q.shape):
         if implementation not in ("auto", "blockwise"):
             raise ValueError(
                 f"attention_impl={implementation!r} cannot run with the sequence sharded over the mesh "

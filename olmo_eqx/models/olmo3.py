@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import HEADS, KV_HEADS, AttentionMask, attend
+from .attention import HEADS, KV_HEADS, AttentionMask, attend, sequence_sharded
 from .config import ModelConfig
 
 # Pins an activation to its layout: constrain(x, logical axis names of x's dimensions) -> x.
@@ -54,20 +54,27 @@ def _axes(*names: str):
     return eqx.field(metadata={"axes": names})
 
 
-def dense(x: Float[Array, "batch seq d_in"], weight: Float[Array, "d_in d_out"], constrain: Constrain = unconstrained) -> Float[Array, "batch seq d_out"]:
-    """`x @ weight` (in x's dtype), as one 2-D matmul over all batch x seq tokens.
+def dense(
+    x: Float[Array, "batch seq d_in"],
+    weight: Float[Array, "d_in d_out"],
+    constrain: Constrain = unconstrained,
+    *,
+    out_dtype=None,
+) -> Float[Array, "batch seq d_out"]:
+    """`x @ weight` (weight cast to x's dtype; the result in `out_dtype`, default x's), as one
+    2-D matmul over all batch x seq tokens.
 
     Why 2-D: XLA:CPU turns the weight gradient of the 3-D form (a contraction over batch and
     sequence) into a transposed copy of the output gradient plus a slow transposed dot, which
-    doubled the backward pass (scripts/bench_train.py; docs/performance.md). Merging batch
-    and sequence is a free reshape, except when the sequence is sharded (context
-    parallelism): then the merged axis has no layout GSPMD can keep, so the 3-D form stays.
+    doubled the backward pass (docs/performance.md). Merging batch and sequence is a free
+    reshape, except when the sequence is sharded (context parallelism): then the merged axis
+    has no layout GSPMD can keep, so the 3-D form stays.
     """
     weight = weight.astype(x.dtype)
-    spec = getattr(constrain, "spec", None)
-    if spec is not None and spec(x.shape, HIDDEN)[1] is not None:
-        return jnp.einsum("bsd,df->bsf", x, weight)
-    return (x.reshape(-1, x.shape[-1]) @ weight).reshape(*x.shape[:-1], weight.shape[-1])
+    if sequence_sharded(constrain, x.shape):
+        return jnp.einsum("bsd,df->bsf", x, weight, preferred_element_type=out_dtype)
+    flat = jnp.matmul(x.reshape(-1, x.shape[-1]), weight, preferred_element_type=out_dtype)
+    return flat.reshape(*x.shape[:-1], weight.shape[-1])
 
 
 def _truncated_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -> Array:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..models.olmo3 import Constrain, unconstrained
+from ..models.olmo3 import Constrain, dense, unconstrained
 
 
 class LossSums(NamedTuple):
@@ -67,18 +67,6 @@ def loss_sums(
     return _sums(logits, *_shifted_targets(input_ids, loss_mask))
 
 
-def _logits(
-    hidden: Float[Array, "batch seq d_model"], head: Float[Array, "d_model padded_vocab"], constrain: Constrain
-) -> Float[Array, "batch seq padded_vocab"]:
-    """float32 `hidden @ head`, as one 2-D matmul over all tokens (see `olmo_eqx.models.olmo3.dense`
-    for why) unless the sequence is sharded."""
-    spec = getattr(constrain, "spec", None)
-    if spec is not None and spec(hidden.shape, ("batch", "sequence", "act_embed"))[1] is not None:
-        return jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=jnp.float32)
-    flat = jnp.matmul(hidden.reshape(-1, hidden.shape[-1]), head, preferred_element_type=jnp.float32)
-    return flat.reshape(*hidden.shape[:-1], head.shape[-1])
-
-
 def chunked_loss_sums(
     hidden: Float[Array, "batch seq d_model"],
     head: Float[Array, "d_model padded_vocab"],
@@ -102,7 +90,7 @@ def chunked_loss_sums(
     head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
 
     def chunk_sums(h, labels, weights) -> LossSums:
-        logits = constrain(_logits(h, head, constrain), ("batch", "sequence", "act_vocab"))
+        logits = constrain(dense(h, head, constrain, out_dtype=jnp.float32), ("batch", "sequence", "act_vocab"))
         if vocab_size < logits.shape[-1]:  # padding columns never enter a prediction
             logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
         return _sums(logits, labels, weights)
