@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmo_eqx.models import attention
 from olmo_eqx.models.attention import (
     AttentionMask,
     _allowed,
@@ -33,8 +34,16 @@ def relative(a, b) -> float:
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+@pytest.fixture(params=["unrolled", "loops"])
+def block_loops(request, monkeypatch):
+    """Both forms of the kernel: block loops run in Python (few blocks) and as fori_loops."""
+    if request.param == "loops":
+        monkeypatch.setattr(attention, "UNROLL_BLOCKS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("seq, heads, kv_heads, window, block", CASES)
-def test_blockwise_matches_reference_values_and_gradients(seq, heads, kv_heads, window, block):
+def test_blockwise_matches_reference_values_and_gradients(seq, heads, kv_heads, window, block, block_loops):
     kq, kk, kv, kg = jax.random.split(jax.random.key(seq + heads + kv_heads), 4)
     q = jax.random.normal(kq, (2, seq, heads, 8))
     k = jax.random.normal(kk, (2, seq, kv_heads, 8))
@@ -78,11 +87,15 @@ def test_visits_exactly_the_blocks_with_a_visible_key(length, block, window, doc
         mask = mask[None] & np.asarray(seg[:, :, None] == seg[:, None, :])
         mask = mask.any(axis=0)
     st, lay = _Static(block, length, window), _layout(0, seg, seg, block, n_blocks)
+    unrolled = _Static(block, length, window, unrolled=True)
     for i in range(n_blocks):
         for j in range(n_blocks):
             needed = mask[i * block : (i + 1) * block, j * block : (j + 1) * block].any()
             first_k, end_k = (int(x) for x in _key_blocks(i, st, lay, n_blocks))
             first_q, end_q = (int(x) for x in _query_blocks(j, st, lay, n_blocks))
+            if not documents:  # the unrolled kernel's Python-int bounds are the same blocks
+                assert _key_blocks(i, unrolled, lay, n_blocks) == (first_k, end_k)
+                assert _query_blocks(j, unrolled, lay, n_blocks) == (first_q, end_q)
             # Padding queries (past the sequence) may add blocks, never drop needed ones.
             if i * block < length and (i + 1) * block <= length:
                 assert (first_k <= j < end_k) == needed, (i, j)

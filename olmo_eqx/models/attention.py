@@ -25,9 +25,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 DEFAULT_BLOCK = 512
-# On CPU smaller blocks keep a block pair's scores in cache: the 12.6M benchmark model's
-# step (seq 256) is about 3% faster with 128 than with one 256-block (scripts/bench_train.py).
-CPU_BLOCK = 128
+# On CPU small blocks keep a block pair's scores in cache: attention's forward and backward
+# at the 12.6M benchmark model's shapes (seq 256, 4 heads of 64) take 31 ms with one 256-block,
+# 17 ms with 128-blocks and 12 ms with 64-blocks (PyTorch's sdpa: 9 ms); 32-blocks are slower.
+CPU_BLOCK = 64
+# Up to this many query blocks, with a mask known when tracing (no segment ids, queries from
+# position 0), the block loops run in Python: every slice and mask is a constant XLA folds,
+# and no while loop runs. Longer sequences keep the compact fori_loops.
+UNROLL_BLOCKS = 4
 
 
 def default_block_size() -> int:
@@ -87,10 +92,11 @@ def _allowed(query: Int[Array, " q"], key: Int[Array, " k"], length: int, slidin
 
 
 # ---------------------------------------------------------------------------------------------
-# The blockwise kernel. Inside it, arrays are head-major and padded to whole blocks:
-#   q, dq, out, d_out: [batch, kv_heads, groups, Tq, head_dim]   (query head = kv_head * groups + g)
-#   k, v, dk, dv:      [batch, kv_heads, Tk, head_dim]
-#   lse, delta:        [batch, kv_heads, groups, Tq]             (float32)
+# The blockwise kernel. Inside it, arrays are block-major, then head-major, padded to whole
+# blocks, so that a block is one contiguous slab (taking it out is free, not a strided copy):
+#   q, dq, out, d_out: [n_q, batch, kv_heads, groups, block, head_dim]   (query head = kv_head * groups + g)
+#   k, v, dk, dv:      [n_k, batch, kv_heads, block, head_dim]
+#   lse, delta:        [n_q, batch, kv_heads, groups, block]             (float32)
 # Queries may be a slice of the keys' sequence starting at `q_offset` (context parallelism:
 # this shard's queries against every key).
 
@@ -99,6 +105,7 @@ class _Static(NamedTuple):
     block: int
     length: int  # real keys (the rest is padding)
     sliding_window: Optional[int]
+    unrolled: bool = False  # block loops in Python (see UNROLL_BLOCKS); queries start at 0
 
 
 class _Layout(NamedTuple):
@@ -126,36 +133,67 @@ def _layout(q_offset, seg_q, seg_k, block: int, n_q: int) -> _Layout:
     return _Layout(jnp.asarray(q_offset, jnp.int32), seg_q, seg_k, first_key, end_query)
 
 
+# Block bounds are Python ints in unrolled kernels and traced integers otherwise.
+def _max(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def _min(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _offset(st: _Static, lay: _Layout):
+    return 0 if st.unrolled else lay.q_offset
+
+
+def _loop(first, end, body, init):
+    """`fori_loop`, run in Python when both bounds are known when tracing."""
+    if isinstance(first, int) and isinstance(end, int):
+        for i in range(first, end):
+            init = body(i, init)
+        return init
+    return jax.lax.fori_loop(first, end, body, init)
+
+
 def _key_blocks(i, st: _Static, lay: _Layout, n_k: int):
     """[first, end) of the key blocks that query block i can see."""
-    q_first = lay.q_offset + i * st.block
-    first = 0 if st.sliding_window is None else jnp.maximum(q_first - st.sliding_window + 1, 0) // st.block
+    q_first = _offset(st, lay) + i * st.block
+    first = 0 if st.sliding_window is None else _max(q_first - st.sliding_window + 1, 0) // st.block
     if lay.first_key_block is not None:
         first = jnp.maximum(first, lay.first_key_block[i])
-    return first, jnp.minimum((q_first + st.block - 1) // st.block + 1, n_k)  # causal: up to the diagonal
+    return first, _min((q_first + st.block - 1) // st.block + 1, n_k)  # causal: up to the diagonal
 
 
 def _query_blocks(j, st: _Static, lay: _Layout, n_q: int):
     """[first, end) of the query blocks that can see key block j."""
     k_last = j * st.block + st.block - 1
-    first = jnp.maximum(j * st.block - lay.q_offset, 0) // st.block  # causal: queries at or after the keys
-    end = jnp.asarray(n_q)
+    offset = _offset(st, lay)
+    first = _max(j * st.block - offset, 0) // st.block  # causal: queries at or after the keys
+    end = n_q
     if st.sliding_window is not None:
-        end = jnp.minimum(end, jnp.maximum(k_last + st.sliding_window - 1 - lay.q_offset, -1) // st.block + 1)
+        end = _min(end, _max(k_last + st.sliding_window - 1 - offset, -1) // st.block + 1)
     if lay.end_query_block is not None:
         end = jnp.minimum(end, lay.end_query_block[j])
-    return first, jnp.maximum(end, first)
+    return first, _max(end, first)
 
 
 def _slice(x: Array, start, block: int, axis: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start * block, block, axis=axis)
 
 
+def _block(x: Array, i) -> Array:
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _set_block(x: Array, i, value: Array) -> Array:
+    return jax.lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), i, 0)
+
+
 def _block_scores(q_blk, k_blk, i, j, st: _Static, lay: _Layout, scale: float):
     """Scaled scores of query block i against key block j, -inf where masked: [b, h, g, q, k] f32."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
     positions = jnp.arange(st.block)
-    allowed = _allowed(lay.q_offset + i * st.block + positions, j * st.block + positions, st.length, st.sliding_window)
+    allowed = _allowed(_offset(st, lay) + i * st.block + positions, j * st.block + positions, st.length, st.sliding_window)
     allowed = allowed[None, None, None]
     if lay.seg_q is not None:
         same = _slice(lay.seg_q, i, st.block, 1)[:, :, None] == _slice(lay.seg_k, j, st.block, 1)[:, None, :]
@@ -165,22 +203,22 @@ def _block_scores(q_blk, k_blk, i, j, st: _Static, lay: _Layout, scale: float):
 
 def _forward(q, k, v, lay: _Layout, st: _Static):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    n_q, n_k = q.shape[3] // st.block, k.shape[2] // st.block
-    b, h, g, _, d = q.shape
+    n_q, n_k = q.shape[0], k.shape[0]
+    b, h, g, _, d = q.shape[1:]
 
     def query_block(i, carry):
         out, lse = carry
-        q_blk = _slice(q, i, st.block, 3)
+        q_blk = _block(q, i)
 
         def key_block(j, stats):
             m, l, acc = stats
-            s = _block_scores(q_blk, _slice(k, j, st.block, 2), i, j, st, lay, scale)
+            s = _block_scores(q_blk, _block(k, j), i, j, st, lay, scale)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not nan.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
             correction = jnp.exp(m - shift)
-            v_blk = _slice(v, j, st.block, 2)
+            v_blk = _block(v, j)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
             return m_new, l * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
 
@@ -189,33 +227,30 @@ def _forward(q, k, v, lay: _Layout, st: _Static):
             jnp.zeros((b, h, g, st.block), jnp.float32),
             jnp.zeros((b, h, g, st.block, d), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(*_key_blocks(i, st, lay, n_k), key_block, init)
+        m, l, acc = _loop(*_key_blocks(i, st, lay, n_k), key_block, init)
         # Every real query sees at least itself; a padding row may see nothing: its output is
         # 0 and its lse +inf, so the backward pass gives it probabilities of exactly 0.
         seen = l > 0
         row_out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         row_lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        out = jax.lax.dynamic_update_slice_in_dim(out, row_out.astype(q.dtype), i * st.block, axis=3)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, row_lse, i * st.block, axis=3)
-        return out, lse
+        return _set_block(out, i, row_out), _set_block(lse, i, row_lse)
 
     init = (jnp.zeros_like(q), jnp.zeros(q.shape[:-1], jnp.float32))
-    return jax.lax.fori_loop(0, n_q, query_block, init)
+    return _loop(0, n_q, query_block, init)
 
 
 def _backward(q, k, v, out, lse, d_out, lay: _Layout, st: _Static):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    block = st.block
-    n_q, n_k = q.shape[3] // block, k.shape[2] // block
+    n_q, n_k = q.shape[0], k.shape[0]
     # delta_i = sum_d dO_i * O_i: the softmax Jacobian's row term, once per query.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
     def block_grads(i, j, q_blk, k_blk, v_blk):
         """(p, ds) of query block i against key block j, from the saved log-sum-exp."""
         s = _block_scores(q_blk, k_blk, i, j, st, lay, scale)
-        p = jnp.exp(s - _slice(lse, i, block, 3)[..., None])
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", _slice(d_out, i, block, 3), v_blk, preferred_element_type=jnp.float32)
-        return p, p * (dp - _slice(delta, i, block, 3)[..., None])
+        p = jnp.exp(s - _block(lse, i)[..., None])
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", _block(d_out, i), v_blk, preferred_element_type=jnp.float32)
+        return p, p * (dp - _block(delta, i)[..., None])
 
     # One pass (FlashAttention-2's order): each key block gathers its dk and dv over the query
     # blocks that see it (and over the query heads of its group, which is GQA's gradient of
@@ -224,34 +259,32 @@ def _backward(q, k, v, out, lse, d_out, lay: _Layout, st: _Static):
     # dk/dv (that was 7 matmuls and 2 exp passes per pair; this is 5 and 1).
     def dkv_block(j, grads):
         dq, dk, dv = grads
-        k_blk, v_blk = _slice(k, j, block, 2), _slice(v, j, block, 2)
+        k_blk, v_blk = _block(k, j), _block(v, j)
 
         def query_block(i, acc):
             dk_t, dv_t, dq = acc
-            q_blk = _slice(q, i, block, 3)
+            q_blk = _block(q, i)
             p, ds = block_grads(i, j, q_blk, k_blk, v_blk)
-            d_out_blk = _slice(d_out, i, block, 3)
+            d_out_blk = _block(d_out, i)
             # dk and dv are gathered transposed, [d, k] = [d, q] @ [q, k]: contracting over the
             # queries this way transposes the [q, d] operand, not the 4x larger [q, k] block.
             dv_t += jnp.einsum("bhgqd,bhgqk->bhdk", d_out_blk, p.astype(v.dtype), preferred_element_type=jnp.float32)
             dk_t += jnp.einsum("bhgqd,bhgqk->bhdk", q_blk, ds.astype(q.dtype), preferred_element_type=jnp.float32)
-            dq_blk = _slice(dq, i, block, 3) + jnp.einsum(
+            dq_blk = _block(dq, i) + jnp.einsum(
                 "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32
             )
-            return dk_t, dv_t, jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * block, axis=3)
+            return dk_t, dv_t, _set_block(dq, i, dq_blk)
 
         *batch_heads, keys, head_dim = k_blk.shape
         zeros = jnp.zeros((*batch_heads, head_dim, keys), jnp.float32)
-        dk_t, dv_t, dq = jax.lax.fori_loop(*_query_blocks(j, st, lay, n_q), query_block, (zeros, zeros, dq))
+        dk_t, dv_t, dq = _loop(*_query_blocks(j, st, lay, n_q), query_block, (zeros, zeros, dq))
         # The barrier keeps XLA from folding the transpose back into the matmuls (one query
         # block: no loop), which would bring the large transposed copy back.
         dk_blk, dv_blk = (jnp.swapaxes(t, -1, -2) for t in jax.lax.optimization_barrier((dk_t, dv_t)))
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, (dk_blk * scale).astype(k.dtype), j * block, axis=2)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), j * block, axis=2)
-        return dq, dk, dv
+        return dq, _set_block(dk, j, dk_blk * scale), _set_block(dv, j, dv_blk)
 
     zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v))
-    dq, dk, dv = jax.lax.fori_loop(0, n_k, dkv_block, zeros)
+    dq, dk, dv = _loop(0, n_k, dkv_block, zeros)
     return (dq * scale).astype(q.dtype), dk, dv
 
 
@@ -300,21 +333,22 @@ def _attention_of_shard(q, k, v, sliding_window, seg_q, seg_k, q_offset, block_s
     block = min(block_size, q_len, k_len)
     q_pad, k_pad = -(-q_len // block) * block, -(-k_len // block) * block
 
-    def head_major(x: Array, padded: int, *group: int) -> Array:
-        # [b, T, h, d] -> [b, kv_heads, (groups,) T_padded, d]
+    def block_major(x: Array, padded: int, *group: int) -> Array:
+        # [b, T, h, d] -> [T_padded / block, b, kv_heads, (groups,) block, d]
         x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
-        x = x.reshape(batch, padded, kv_heads, *group, head_dim)
-        return jnp.moveaxis(x, 1, -2)
+        x = x.reshape(batch, padded // block, block, kv_heads, *group, head_dim)
+        return jnp.moveaxis(x, (1, 2), (0, -2))
 
     def pad_segments(seg, padded):  # padding continues the last document; the length mask hides it
         return None if seg is None else jnp.pad(seg, ((0, 0), (0, padded - seg.shape[1])), mode="edge")
 
     lay = _layout(q_offset, pad_segments(seg_q, q_pad), pad_segments(seg_k, k_pad), block, q_pad // block)
+    unrolled = seg_q is None and isinstance(q_offset, int) and q_offset == 0 and q_pad // block <= UNROLL_BLOCKS
     out = _blockwise(
-        head_major(q, q_pad, heads // kv_heads), head_major(k, k_pad), head_major(v, k_pad), lay,
-        _Static(block, k_len, sliding_window),
+        block_major(q, q_pad, heads // kv_heads), block_major(k, k_pad), block_major(v, k_pad), lay,
+        _Static(block, k_len, sliding_window, unrolled),
     )
-    out = jnp.moveaxis(out, -2, 1).reshape(batch, q_pad, heads, head_dim)
+    out = jnp.moveaxis(out, (0, -2), (1, 2)).reshape(batch, q_pad, heads, head_dim)
     return out[:, :q_len]
 
 
