@@ -1,5 +1,11 @@
 """olmo_eqx: train the OLMo family of language models in JAX with Equinox."""
 
+# `python -m olmo_eqx` on a CPU re-executes itself with huge pages for XLA:CPU's buffers before
+# anything below imports JAX (olmo_eqx.huge_pages); a plain import does nothing here.
+from .huge_pages import reexec_with_huge_pages
+
+reexec_with_huge_pages()
+
 from .flops import flops_per_token
 from .generate import generate
 from .hf import load_hf, save_hf

@@ -4,6 +4,7 @@
     python scripts/bench_train.py --rounds 5 --steps 8
     python scripts/bench_train.py --profile          # our step's top ops by time (XLA:CPU trace)
     taskset -c 0 python scripts/bench_train.py       # one core
+    python scripts/bench_train.py --no-huge-pages    # glibc's malloc as it comes, both sides
 
 The model (vocab 8192, d_model 256, 4 heads, 8 layers, MLP 1024, window 128) starts from one
 initialisation on both sides; both train on the same batch with the same recipe: cross-entropy
@@ -318,8 +319,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
     parser.add_argument("--profile", action="store_true", help="profile our step instead (top ops by time)")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument(
+        "--no-huge-pages", action="store_true",
+        help="leave glibc's malloc as it is (by default both sides run with the setting `python -m olmo_eqx` uses on CPU)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not args.no_huge_pages:
+        # The project's CPU runs re-execute with glibc.malloc.hugetlb=1 (olmo_eqx.huge_pages);
+        # so does this script, and both sides' processes inherit it.
+        from olmo_eqx.huge_pages import environment_with_huge_pages
+
+        environ = environment_with_huge_pages()
+        if environ is not None:
+            sys.stdout.flush()
+            os.execve(sys.executable, sys.orig_argv, environ)
+    print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} (both sides)", flush=True)
     profile(args) if args.profile else compare(args)
 
 
