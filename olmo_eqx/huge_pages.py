@@ -29,9 +29,9 @@ OPT_OUT = "OLMO_EQX_HUGE_PAGES"
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def cpu_only() -> bool:
+def cpu_only(environ=os.environ) -> bool:
     """Whether JAX will run on the CPU alone, decided without importing JAX."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return {p.strip() for p in platforms.split(",")} == {"cpu"}
     if importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("libtpu"):
@@ -50,10 +50,19 @@ def environment_with_huge_pages(environ=os.environ) -> dict | None:
             return None
     except OSError:
         return None
-    if not cpu_only():
+    if not cpu_only(environ):
         return None
     tunables = ":".join(t for t in (environ.get("GLIBC_TUNABLES", ""), TUNABLE) if t)
     return {**environ, "GLIBC_TUNABLES": tunables}
+
+
+def describe() -> str:
+    """One line for a run's header: whether this process has the setting, and if not, why."""
+    if "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+        return f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']} (olmo_eqx.huge_pages)"
+    if os.environ.get(OPT_OUT) == "0":
+        return f"glibc's default malloc ({OPT_OUT}=0)"
+    return "glibc's default malloc (huge pages apply to `python -m olmo_eqx` on Linux/glibc with THP in madvise mode)"
 
 
 def started_as_olmo_eqx_command() -> bool:

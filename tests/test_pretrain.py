@@ -18,6 +18,7 @@ import jax
 import pytest
 from jax._src import compilation_cache as jax_compilation_cache
 
+from olmo_eqx import huge_pages
 from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.train.loop import TrainError, train
@@ -205,6 +206,9 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
+    if huge_pages.environment_with_huge_pages({"JAX_PLATFORMS": "cpu"}) is not None:
+        # The command re-executed itself with the tunable (same pid: the signal reached the run).
+        assert "host memory: GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in output, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     stopped = summary["end_step"]
     assert summary["interrupted"] == "SIGTERM" and 3 <= stopped < 100000

@@ -45,6 +45,7 @@ from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.sources import build_datasets, document_options  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
+from olmo_eqx import huge_pages
 from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.olmo3 import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
@@ -296,6 +297,8 @@ class _Loop:
         else:
             source = "measured float32 matmul peak of this CPU" if device.platform == "cpu" else device.device_kind
             self.out.print(f"MFU = model FLOPs/s per device / {self.peak / 1e12:.3g} TFLOP/s ({source})")
+        if device.platform == "cpu":
+            self.out.print(f"host memory: {huge_pages.describe()}")
 
     def write(self, record: dict) -> None:
         self.history.append(record)
