@@ -1,4 +1,4 @@
-"""Two XLA:CPU limits behind the CPU train step's speed, each in a few lines (docs/performance.md).
+"""Three XLA:CPU limits behind the CPU train step's speed, each in a few lines (docs/performance.md).
 
     python scripts/repro_xla_cpu.py
     taskset -c 0 python scripts/repro_xla_cpu.py      # one core
@@ -9,10 +9,18 @@
    same MLP over `[batch * seq, d]` has neither: its backward runs about 2x faster.
 2. XLA:CPU's best float32 matmul (YNNPACK or Eigen) against PyTorch's (oneMKL) on the shapes of
    the benchmark model: the ceiling of any XLA:CPU train step relative to PyTorch's.
+3. XLA:CPU mallocs each execution's temporaries anew; glibc maps a block that large freshly and
+   unmaps it on free, so every call first-touches all of it again: one page fault per 4 KiB.
+   The same function in a process started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what
+   `python -m olmo_eqx` does on CPU, olmo_eqx.huge_pages) faults 2 MiB pages instead.
 """
 
+import os
 import re
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -73,6 +81,36 @@ def matmul_ceiling() -> None:
         print(line)
 
 
+def temporaries_per_call() -> None:
+    """Time and page faults per call of a function with ~200 MB of temporaries (this process)."""
+    x = jnp.ones((BATCH * SEQ, 8192), jnp.float32)
+
+    def f(x):  # a log-softmax's forward and backward: several [2048, 8192] buffers at once
+        return jax.grad(lambda x: jnp.sum(jax.nn.log_softmax(x * 1.5) * jnp.cos(x)))(x)
+
+    compiled = jax.jit(f).lower(x).compile()
+    jax.block_until_ready(compiled(x))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    ms = median_ms(lambda: jax.block_until_ready(compiled(x)), 20)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 21
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    tunables = os.environ.get("GLIBC_TUNABLES") or "(none)"
+    print(f"   GLIBC_TUNABLES={tunables}: temporaries {temp / 2**20:.0f} MiB, {faults:,.0f} page faults and {ms:.1f} ms per call")
+
+
+def fresh_temporaries() -> None:
+    print("3. a fresh temp buffer per call, with glibc's malloc as it comes and with huge pages:")
+    for tunables in (None, "glibc.malloc.hugetlb=1"):
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
+        subprocess.run([sys.executable, __file__, "--temporaries"], env=env, check=True)
+
+
 if __name__ == "__main__":
-    mlp_backward()
-    matmul_ceiling()
+    if sys.argv[1:] == ["--temporaries"]:
+        temporaries_per_call()
+    else:
+        mlp_backward()
+        matmul_ceiling()
+        fresh_temporaries()
