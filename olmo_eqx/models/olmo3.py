@@ -228,7 +228,9 @@ def _swiglu_forward(gate, up):
 
 
 def _swiglu_backward(residuals, d_out):
-    gate, up = residuals
+    # The barrier keeps XLA from reusing the forward's sigmoid (common subexpressions): that
+    # would store it, and silu(gate), after all, and split the forward into three passes.
+    gate, up = jax.lax.optimization_barrier(residuals)
     sigmoid = jax.nn.sigmoid(gate)
     silu = gate * sigmoid
     d_gate = d_out * up * (sigmoid + silu * (1 - sigmoid))
