@@ -192,6 +192,7 @@ class Checkpointer:
         # Digests, set-aside and retention work on local paths; remote (gs://) steps go unverified.
         self._local: Optional[Path] = None if "://" in text else Path(os.fspath(self.directory))
         self._saving: Optional[int] = None  # the step of the save in flight
+        self._failed_step: Optional[int] = None  # a save that failed: close() sweeps its leftovers again
         self._verified: set[int] = set()
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
@@ -307,12 +308,11 @@ class Checkpointer:
 
     def _failed(self, step: int, error: BaseException):
         """Remove what a failed save left and raise one line naming the path and the OS error."""
-        if self._local is not None and jax.process_index() == 0:
-            leftovers = [*self._local.glob(f"{step}.orbax-checkpoint-tmp*")]
-            if (self._local / str(step)).exists() and not (self._local / str(step) / COMMIT_MARKER).exists():
-                leftovers.append(self._local / str(step))
-            for path in leftovers:
-                shutil.rmtree(path, ignore_errors=True)
+        self._remove_leftovers(step)
+        # Writes of the same save still in flight (other arrays, Orbax's and TensorStore's
+        # threads) may recreate part of the tmp dir after this; close() removes it again once
+        # those threads are done.
+        self._failed_step = step
         self._saving = None
         with contextlib.suppress(Exception):
             self._manager.reload()
@@ -321,6 +321,16 @@ class Checkpointer:
             "Nothing partial was kept; the previous checkpoints are intact. Free space or fix the "
             "permissions of checkpoint.dir, then rerun to resume"
         ) from error
+
+    def _remove_leftovers(self, step: int) -> None:
+        """Delete a failed save's tmp dir and any uncommitted step dir (process 0)."""
+        if self._local is None or jax.process_index() != 0:
+            return
+        leftovers = [*self._local.glob(f"{step}.orbax-checkpoint-tmp*")]
+        if (self._local / str(step)).exists() and not (self._local / str(step) / COMMIT_MARKER).exists():
+            leftovers.append(self._local / str(step))
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
 
     def set_aside(self, step: int, reason: str) -> Optional[Path]:
         """Move step `step`'s directory into `<dir>/set_aside/` (process 0); where it went."""
@@ -460,6 +470,8 @@ class Checkpointer:
             self.wait_until_finished()
         finally:
             self._manager.close()
+            if self._failed_step is not None:
+                self._remove_leftovers(self._failed_step)
 
     def __enter__(self) -> "Checkpointer":
         return self
