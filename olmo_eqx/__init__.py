@@ -2,9 +2,10 @@
 
 # `python -m olmo_eqx` on a CPU re-executes itself with huge pages for XLA:CPU's buffers before
 # anything below imports JAX (olmo_eqx.huge_pages); a plain import does nothing here.
-from .huge_pages import reexec_with_huge_pages
+from .huge_pages import reexec_with_huge_pages, started_as_olmo_eqx_command
 
-reexec_with_huge_pages()
+if started_as_olmo_eqx_command():
+    reexec_with_huge_pages()
 
 from .flops import flops_per_token
 from .generate import generate

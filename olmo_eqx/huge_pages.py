@@ -10,10 +10,11 @@ memory faults in 2 MB pages (about 1,000 faults per step); the step gets about 1
 
 glibc reads tunables only when a process starts, so `python -m olmo_eqx` re-executes itself
 (same pid, same arguments) with the tunable added, from the top of the package's `__init__`,
-before JAX is imported, when all of these hold: Linux with glibc, the kernel's THP mode is `madvise` (with `always` every mapping gets
-huge pages anyway; with `never` none can), JAX will run on the CPU only (`JAX_PLATFORMS=cpu`,
-or no accelerator plugin installed), `GLIBC_TUNABLES` does not already choose
-`glibc.malloc.hugetlb`, and `OLMO_EQX_HUGE_PAGES` is not `0`. In a notebook or any process
+before JAX is imported, when all of these hold (`why_not` names the first that fails): Linux
+with glibc, the kernel's THP mode is `madvise` (with `always` every mapping gets huge pages
+anyway; with `never` none can), JAX will run on the CPU only (`JAX_PLATFORMS=cpu`, or no
+accelerator plugin installed), `GLIBC_TUNABLES` does not already choose `glibc.malloc.hugetlb`,
+and `OLMO_EQX_HUGE_PAGES` is not `0`. A run's header says which malloc it has (`describe`). In a notebook or any process
 of your own, set `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting Python.
 """
 
@@ -39,30 +40,40 @@ def cpu_only(environ=os.environ) -> bool:
     return importlib.util.find_spec("jax_plugins") is None
 
 
+def why_not(environ=os.environ) -> str | None:
+    """Why the setting does not apply to a process with this environment, or None when it does."""
+    if "glibc.malloc.hugetlb" in environ.get("GLIBC_TUNABLES", ""):
+        return f"GLIBC_TUNABLES already sets it ({environ['GLIBC_TUNABLES']})"
+    if environ.get(OPT_OUT, "1") == "0":
+        return f"{OPT_OUT}=0"
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return "not Linux with glibc"
+    try:
+        mode = THP_MODE.read_text().strip()
+    except OSError:
+        return f"no {THP_MODE}"
+    if "[madvise]" not in mode:
+        return f"THP mode is not madvise ({mode})"
+    if not cpu_only(environ):
+        return "JAX may run on an accelerator"
+    return None
+
+
 def environment_with_huge_pages(environ=os.environ) -> dict | None:
     """The environment to re-execute with, or None when the setting does not apply here."""
-    if environ.get(OPT_OUT, "1") == "0" or "glibc.malloc.hugetlb" in environ.get("GLIBC_TUNABLES", ""):
-        return None
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        if "[madvise]" not in THP_MODE.read_text():
-            return None
-    except OSError:
-        return None
-    if not cpu_only(environ):
+    if why_not(environ) is not None:
         return None
     tunables = ":".join(t for t in (environ.get("GLIBC_TUNABLES", ""), TUNABLE) if t)
     return {**environ, "GLIBC_TUNABLES": tunables}
 
 
 def describe() -> str:
-    """One line for a run's header: whether this process has the setting, and if not, why."""
-    if "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
-        return f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']} (olmo_eqx.huge_pages)"
-    if os.environ.get(OPT_OUT) == "0":
-        return f"glibc's default malloc ({OPT_OUT}=0)"
-    return "glibc's default malloc (huge pages apply to `python -m olmo_eqx` on Linux/glibc with THP in madvise mode)"
+    """One line for a run's header: whether this process runs with the setting, and if not, why."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return f"GLIBC_TUNABLES={tunables} (olmo_eqx.huge_pages)"
+    reason = why_not() or "not started as `python -m olmo_eqx`"
+    return f"glibc's default malloc, no huge-page tunable: {reason}"
 
 
 def started_as_olmo_eqx_command() -> bool:
@@ -73,9 +84,8 @@ def started_as_olmo_eqx_command() -> bool:
 
 
 def reexec_with_huge_pages() -> None:
-    """Replace this process by the same command with huge pages on, where that applies."""
-    if not started_as_olmo_eqx_command():
-        return
+    """Replace this process by the same command with huge pages on, where that applies (the
+    package calls it for `python -m olmo_eqx`; scripts that time CPU steps call it too)."""
     environ = environment_with_huge_pages()
     if environ is None:
         return

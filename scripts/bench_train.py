@@ -328,12 +328,9 @@ def main() -> None:
     if not args.no_huge_pages:
         # The project's CPU runs re-execute with glibc.malloc.hugetlb=1 (olmo_eqx.huge_pages);
         # so does this script, and both sides' processes inherit it.
-        from olmo_eqx.huge_pages import environment_with_huge_pages
+        from olmo_eqx.huge_pages import reexec_with_huge_pages
 
-        environ = environment_with_huge_pages()
-        if environ is not None:
-            sys.stdout.flush()
-            os.execve(sys.executable, sys.orig_argv, environ)
+        reexec_with_huge_pages()
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} (both sides)", flush=True)
     profile(args) if args.profile else compare(args)
 

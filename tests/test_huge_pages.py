@@ -34,12 +34,14 @@ def test_applies_on_a_cpu_run_and_keeps_other_tunables(thp_madvise):
 )
 def test_does_not_apply(thp_madvise, environ):
     assert huge_pages.environment_with_huge_pages(environ) is None
+    assert huge_pages.why_not(environ)  # and the run header can say why
 
 
 @pytest.mark.parametrize("mode", ["[always] madvise never\n", "always madvise [never]\n"])
 def test_only_in_thp_madvise_mode(thp_madvise, mode):
     thp_madvise.write_text(mode)
     assert huge_pages.environment_with_huge_pages({"JAX_PLATFORMS": "cpu"}) is None
+    assert huge_pages.why_not({"JAX_PLATFORMS": "cpu"}) == f"THP mode is not madvise ({mode.strip()})"
 
 
 def test_an_installed_accelerator_plugin_means_not_cpu_only(monkeypatch):

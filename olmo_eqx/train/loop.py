@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from olmo_eqx import huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
 from olmo_eqx.config import Config, config_to_dict
@@ -45,7 +46,6 @@ from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.sources import build_datasets, document_options  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
-from olmo_eqx import huge_pages
 from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.olmo3 import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
