@@ -55,7 +55,7 @@ from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_in
 from olmo_eqx.sinks import METRICS_FILE, check_loggers
 from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, all_finite
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
-from olmo_eqx.train.mfu import mfu, peak_flops_per_device
+from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
 from olmo_eqx.train.signals import any_process, stop_on_signals
@@ -295,7 +295,7 @@ class _Loop:
         if self.peak is None:
             self.out.print(f"MFU not reported: no known peak FLOP/s for device kind {device.device_kind!r}")
         else:
-            source = "measured float32 matmul peak of this CPU" if device.platform == "cpu" else device.device_kind
+            source = f"float32 matmul peak of this CPU, {cpu_peak_source()}" if device.platform == "cpu" else device.device_kind
             self.out.print(f"MFU = model FLOPs/s per device / {self.peak / 1e12:.3g} TFLOP/s ({source})")
         if device.platform == "cpu":
             self.out.print(f"host memory: {huge_pages.describe()}")

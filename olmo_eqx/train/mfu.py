@@ -31,6 +31,7 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 _CPU_PEAK: Optional[float] = None
+_CPU_PEAK_SOURCE = ""  # where the figure came from, for the run header
 
 
 def _cache_file() -> Path:
@@ -54,17 +55,21 @@ def measure_cpu_peak(seconds: float = 2.0, size: int = 1024) -> float:
 
 def cpu_peak_flops() -> float:
     """The cached measured CPU peak (measuring and caching it the first time)."""
-    global _CPU_PEAK
+    global _CPU_PEAK, _CPU_PEAK_SOURCE
     if _CPU_PEAK is not None:
         return _CPU_PEAK
     path = _cache_file()
     try:
-        _CPU_PEAK = float(json.loads(path.read_text())["flops_per_second"])
+        cached = json.loads(path.read_text())
+        _CPU_PEAK = float(cached["flops_per_second"])
+        when = time.strftime("%Y-%m-%d", time.localtime(cached["measured_at"])) if "measured_at" in cached else "earlier"
+        _CPU_PEAK_SOURCE = f"measured {when}, cached in {path}; delete it to measure again"
         return _CPU_PEAK
     except (OSError, ValueError, KeyError, TypeError):
         pass
     print(f"measuring this CPU's float32 matmul peak once for MFU (cached in {path}) ...", file=sys.stderr, flush=True)
     _CPU_PEAK = measure_cpu_peak()
+    _CPU_PEAK_SOURCE = f"measured now, cached in {path}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -73,6 +78,12 @@ def cpu_peak_flops() -> float:
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
     return _CPU_PEAK
+
+
+def cpu_peak_source() -> str:
+    """Where the CPU peak figure came from (measured now, or when it was cached)."""
+    cpu_peak_flops()
+    return _CPU_PEAK_SOURCE
 
 
 def peak_flops_per_device(device: Optional[jax.Device] = None) -> Optional[float]:
