@@ -1,4 +1,4 @@
-"""Model FLOPs per token, the numerator of MFU (olmo3-spec §5).
+"""Model FLOPs per token, the numerator of MFU (OLMo-core's count since late 2025).
 
     6 * N_matmul + 12 * sum over layers of (n_heads * head_dim * context)
 
@@ -19,10 +19,15 @@ def matmul_params(config: ModelConfig) -> int:
     return config.n_layers * (attention + mlp) + config.d_model * config.padded_vocab_size
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
+def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Attention's training FLOPs (scores and context, forward + backward) per token."""
     attention = 0
     for layer in range(config.n_layers):
         context = min(config.sliding_window, seq_len) if config.is_sliding(layer) else seq_len
         attention += 12 * config.n_heads * config.head_dim * context
-    return 6 * matmul_params(config) + attention
+    return attention
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
+    return 6 * matmul_params(config) + attention_flops_per_token(config, seq_len)

@@ -63,7 +63,7 @@ def test_planner_command_at_32_devices(plans, tmp_path):
                f"+plan.json={out}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "olmo3_tiny" in result.stdout and "fits: TPU v6e (32 GiB) yes" in result.stdout
+    assert "olmo3_tiny" in result.stdout and "TPU v6e (32 GiB) yes" in result.stdout
     p = json.loads(out.read_text())
     assert p["devices"] == 32 and p["per_device_batch"] == 2
     eight = plans[8]["bytes"]["temporaries"]
@@ -73,7 +73,7 @@ def test_planner_command_at_32_devices(plans, tmp_path):
 
 def test_planner_refuses_unknown_options():
     result = subprocess.run([sys.executable, "-m", "olmo_eqx.plan", "+plan.device=4"], capture_output=True, text=True)
-    assert result.returncode != 0 and "+plan.devices=N" in result.stderr
+    assert result.returncode != 0 and "+plan.devices" in result.stderr and "+plan.target" in result.stderr
 
 
 HLO = """HloModule m

@@ -12,7 +12,9 @@ shared by their query-head group through the einsum (GQA) instead of being repea
 
 `attend` picks the implementation named by `ModelConfig.attention_impl`; "auto" means cuDNN
 flash attention on GPU (bf16/fp16), the Pallas splash kernel on TPU, the blockwise one
-elsewhere.
+elsewhere. The platform is the one the program is compiled *for*: the mesh's devices, which
+are abstract TPU or GPU devices when a CPU host compiles ahead of time for a target
+(`olmo_eqx.plan`), never the host's `jax.default_backend()`.
 """
 
 import functools
@@ -35,9 +37,17 @@ CPU_BLOCK = 64
 UNROLL_BLOCKS = 4
 
 
-def default_block_size() -> int:
-    """The blockwise kernel's block: `CPU_BLOCK` on CPU, `DEFAULT_BLOCK` on accelerators."""
-    return CPU_BLOCK if jax.default_backend() == "cpu" else DEFAULT_BLOCK
+def target_platform(mesh=None) -> str:
+    """The platform a program is compiled for: its mesh's devices ("tpu" for the abstract
+    devices of an ahead-of-time TPU compile on a CPU host), else JAX's default backend."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def default_block_size(platform: Optional[str] = None) -> int:
+    """The attention kernels' block: `CPU_BLOCK` on CPU, `DEFAULT_BLOCK` on accelerators."""
+    return CPU_BLOCK if (platform or jax.default_backend()) == "cpu" else DEFAULT_BLOCK
 
 # Logical axes of attention's inputs and outputs (see `olmo_eqx.sharding.ShardingRules`).
 HEADS = ("batch", "sequence", "act_heads", "head_dim")
@@ -364,11 +374,12 @@ def sequence_sharded(constrain, shape: tuple[int, ...]) -> bool:
     return spec is not None and spec(shape[:2], ("batch", "sequence"))[1] is not None
 
 
-def resolve_implementation(implementation: str, dtype) -> str:
-    """The concrete kernel for `implementation` on this platform ("auto" picks per platform)."""
+def resolve_implementation(implementation: str, dtype, platform: Optional[str] = None) -> str:
+    """The concrete kernel for `implementation` on `platform` (default: JAX's default backend;
+    pass the target's, `target_platform(mesh)`, when compiling for another)."""
     if implementation != "auto":
         return implementation
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"  # cuDNN's fused flash attention takes half precision only
     if platform == "tpu":
@@ -384,8 +395,12 @@ def attend(
     *,
     implementation: str,
     constrain=None,
+    block_size: Optional[int] = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention over [batch, seq, heads, head_dim] by the named implementation.
+
+    `block_size` (blockwise and splash kernels; None: `default_block_size` of the target
+    platform) is the query and key block.
 
     `constrain` is the model's activation sharding (`olmo_eqx.sharding.ActivationSharding`).
     When it shards the sequence (context parallelism) attention runs per shard: each shard's
@@ -393,18 +408,20 @@ def attend(
     kernel. Kernels the compiler cannot partition (splash) also run per shard.
     """
     mesh = getattr(constrain, "mesh", None)
+    platform = target_platform(mesh)
+    block_size = block_size or default_block_size(platform)
     if sequence_sharded(constrain, q.shape):
         if implementation not in ("auto", "blockwise"):
             raise ValueError(
                 f"attention_impl={implementation!r} cannot run with the sequence sharded over the mesh "
                 "(context parallelism); use attention_impl=blockwise or auto"
             )
-        return _context_parallel(q, k, v, mask, constrain)
-    implementation = resolve_implementation(implementation, q.dtype)
+        return _context_parallel(q, k, v, mask, constrain, block_size)
+    implementation = resolve_implementation(implementation, q.dtype, platform)
     if implementation == "reference":
         return reference_attention(q, k, v, mask)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, mask)
+        return blockwise_attention(q, k, v, mask, block_size=block_size)
     if mask.segment_ids is not None and implementation != "xla":
         raise ValueError(
             f"attention_impl={implementation!r} does not take document masking (segment ids) here; "
@@ -413,7 +430,9 @@ def attend(
     if implementation == "splash":
         from .splash import splash_attention  # imports Pallas
 
-        kernel = functools.partial(splash_attention, sliding_window=mask.sliding_window)
+        kernel = functools.partial(
+            splash_attention, sliding_window=mask.sliding_window, interpret=platform != "tpu", block_size=block_size
+        )
         if mesh is not None and mesh.size > 1:
             # A Mosaic kernel cannot be split by the compiler: run it on each shard's batch
             # rows and heads (attention never mixes either).
@@ -430,7 +449,7 @@ def attend(
     )
 
 
-def _context_parallel(q, k, v, mask: AttentionMask, constrain) -> Array:
+def _context_parallel(q, k, v, mask: AttentionMask, constrain, block_size: int) -> Array:
     """Attention with the sequence sharded: every shard's queries against all keys."""
     q_spec, kv_spec = constrain.spec(q.shape, HEADS), constrain.spec(k.shape, KV_HEADS)
     context = q_spec[1]  # the mesh axis (or axes) the sequence is split over
@@ -442,7 +461,7 @@ def _context_parallel(q, k, v, mask: AttentionMask, constrain) -> Array:
     def shard(q, k, v, seg):
         gather = functools.partial(jax.lax.all_gather, axis_name=context, axis=1, tiled=True)
         offset = jax.lax.axis_index(context) * q.shape[1]
-        return _attention_of_shard(q, gather(k), gather(v), mask.sliding_window, seg, gather(seg), offset, default_block_size())
+        return _attention_of_shard(q, gather(k), gather(v), mask.sliding_window, seg, gather(seg), offset, block_size)
 
     run = jax.shard_map(
         shard, mesh=constrain.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False

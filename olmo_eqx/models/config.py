@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 # "auto": cuDNN flash attention on GPU (bf16), Pallas splash on TPU, "blockwise" elsewhere.
 AttentionImpl = Literal["auto", "blockwise", "xla", "cudnn", "splash", "reference"]
-RematPolicy = Literal["none", "full", "save_matmuls", "save_projections"]
+RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "offload_projections"]
 DType = Literal["float32", "bfloat16"]
 
 
@@ -58,6 +58,9 @@ class ModelConfig:
     compute_dtype: DType = "float32"
     # How the model runs, not what it is: free to change between a checkpoint and its resume.
     attention_impl: AttentionImpl = "auto"
+    # Query/key block of the blockwise and splash kernels; None: 64 on CPU (cache-sized),
+    # 512 on accelerators. Splash needs a multiple of 128.
+    attention_block_size: Optional[int] = None
     remat: RematPolicy = "none"
     # Sequence positions per chunk of the training loss: the float32 logits of one chunk
     # ([batch, chunk, vocab]) exist at a time, rematerialised in the backward pass.

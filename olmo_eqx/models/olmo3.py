@@ -185,7 +185,9 @@ class Attention(eqx.Module):
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
         q, k, v = self.project(x, rope, config=config, constrain=constrain)
-        context = attend(q, k, v, mask, implementation=config.attention_impl, constrain=constrain)
+        context = attend(
+            q, k, v, mask, implementation=config.attention_impl, constrain=constrain, block_size=config.attention_block_size
+        )
         return self.output(constrain(context, HEADS), constrain)
 
     def project(
@@ -301,14 +303,24 @@ class Block(eqx.Module):
         return constrain(h + self.mlp_norm(self.mlp(h, constrain)), HIDDEN)
 
 
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "attention_context", "gate_proj", "up_proj", "down_proj")
 # What a block keeps for its backward pass (remat); the block input is always kept.
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block; recompute it all in the backward pass
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # The OLMo 3 7B reproduction's policy (MaxText): keep the q/k/v/o and MLP projection
     # outputs and the attention context, recompute norms, RoPE, activations and the rest.
-    "save_projections": jax.checkpoint_policies.save_only_these_names(
-        "q_proj", "k_proj", "v_proj", "o_proj", "attention_context", "gate_proj", "up_proj", "down_proj"
+    "save_projections": jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    # Keep what attention needs (q/k/v and its context, so the attention kernel never runs
+    # again) and recompute the MLP, whose gate/up outputs are the widest activations.
+    "save_attention": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj", "attention_context"),
+    # save_projections' activations, parked in host memory between the passes (TPU, GPU):
+    # HBM holds one block's at a time, the host link carries them.
+    "offload_projections": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(_PROJECTIONS),
+        offload_src="device",
+        offload_dst="pinned_host",
     ),
 }
 
