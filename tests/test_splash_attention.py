@@ -112,3 +112,27 @@ def test_splash_through_attend_on_an_eight_device_mesh():
     got = run(q, k, v)
     want = reference_attention(q, k, v, AttentionMask(48))
     assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5
+
+
+def _documents(batch: int, seq: int) -> jax.Array:
+    """Segment ids of packed documents: non-decreasing, a different split on every row."""
+    cuts = jnp.array([[seq // 3, seq // 2], [seq // 5, 4 * seq // 5]])[:batch]
+    return jnp.sum(jnp.arange(seq)[None, None, :] >= cuts[:, :, None], axis=1).astype(jnp.int32)
+
+
+def test_splash_with_documents_and_context_parallelism_equals_the_reference():
+    """Document masking (segment ids) through the kernel, on one device and with the sequence
+    split over a mesh axis (splash under shard_map, K/V gathered): forward and gradients."""
+    from olmo_eqx.models.attention import AttentionMask, attend, reference_attention
+    from olmo_eqx.sharding import ActivationSharding, MeshConfig, make_mesh
+
+    q, k, v, cotangent = _inputs(seq=256, heads=4, kv_heads=2, head_dim=64)
+    mask = AttentionMask(48, _documents(2, 256))
+    want = _forward_and_gradients(lambda q, k, v: reference_attention(q, k, v, mask), q, k, v, cotangent)
+    one = functools.partial(splash_attention, sliding_window=48, segment_ids=mask.segment_ids, interpret=True, block_size=128)
+    context = ActivationSharding(make_mesh(MeshConfig(data=2, fsdp=1, context=2, tensor=2), jax.devices()))
+    split = lambda q, k, v: attend(q, k, v, mask, implementation="splash", constrain=context, block_size=128)  # noqa: E731
+    for attention in (one, split):
+        got = _forward_and_gradients(attention, q, k, v, cotangent)
+        for g, w in zip(got, want):
+            assert _relative_error(g, w) <= TOLERANCE

@@ -399,8 +399,8 @@ def attend(
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention over [batch, seq, heads, head_dim] by the named implementation.
 
-    `block_size` (blockwise and splash kernels; None: `default_block_size` of the target
-    platform) is the query and key block.
+    `block_size` (blockwise and splash kernels; None: `DEFAULT_BLOCK` for splash, else
+    `default_block_size` of the target platform) is the query and key block.
 
     `constrain` is the model's activation sharding (`olmo_eqx.sharding.ActivationSharding`).
     When it shards the sequence (context parallelism) attention runs per shard: each shard's
@@ -409,36 +409,56 @@ def attend(
     """
     mesh = getattr(constrain, "mesh", None)
     platform = target_platform(mesh)
-    block_size = block_size or default_block_size(platform)
+    implementation = resolve_implementation(implementation, q.dtype, platform)
+    # Splash tiles in multiples of 128 lanes whatever the platform; the blockwise kernel's
+    # best block depends on it (cache-sized on CPU).
+    block_size = block_size or (DEFAULT_BLOCK if implementation == "splash" else default_block_size(platform))
     if sequence_sharded(constrain, q.shape):
-        if implementation not in ("auto", "blockwise"):
+        if implementation == "splash":
+            from .splash import context_parallel_splash  # imports Pallas
+
+            return context_parallel_splash(
+                q, k, v, sliding_window=mask.sliding_window, segment_ids=mask.segment_ids, mesh=mesh,
+                q_spec=constrain.spec(q.shape, HEADS), kv_spec=constrain.spec(k.shape, KV_HEADS),
+                interpret=platform != "tpu", block_size=block_size,
+            )
+        if implementation != "blockwise":
             raise ValueError(
                 f"attention_impl={implementation!r} cannot run with the sequence sharded over the mesh "
-                "(context parallelism); use attention_impl=blockwise or auto"
+                "(context parallelism); use attention_impl=blockwise, splash or auto"
             )
         return _context_parallel(q, k, v, mask, constrain, block_size)
-    implementation = resolve_implementation(implementation, q.dtype, platform)
     if implementation == "reference":
         return reference_attention(q, k, v, mask)
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, mask, block_size=block_size)
-    if mask.segment_ids is not None and implementation != "xla":
-        raise ValueError(
-            f"attention_impl={implementation!r} does not take document masking (segment ids) here; "
-            "use attention_impl=blockwise (or auto on CPU)"
-        )
     if implementation == "splash":
         from .splash import splash_attention  # imports Pallas
 
         kernel = functools.partial(
             splash_attention, sliding_window=mask.sliding_window, interpret=platform != "tpu", block_size=block_size
         )
-        if mesh is not None and mesh.size > 1:
-            # A Mosaic kernel cannot be split by the compiler: run it on each shard's batch
-            # rows and heads (attention never mixes either).
-            q_spec, kv_spec = constrain.spec(q.shape, HEADS), constrain.spec(k.shape, KV_HEADS)
-            kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
-        return kernel(q, k, v)
+        if mesh is None or mesh.size == 1:
+            return kernel(q, k, v, segment_ids=mask.segment_ids)
+        # A Mosaic kernel cannot be split by the compiler: run it on each shard's batch rows
+        # and heads (attention never mixes either).
+        q_spec, kv_spec = constrain.spec(q.shape, HEADS), constrain.spec(k.shape, KV_HEADS)
+        segments = mask.segment_ids
+        if segments is None:
+            segments = jnp.zeros(q.shape[:2], jnp.int32)  # one document per row
+        per_shard = jax.shard_map(
+            lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg),
+            mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, jax.sharding.PartitionSpec(q_spec[0], None)),
+            out_specs=q_spec,
+            check_vma=False,
+        )
+        return per_shard(q, k, v, segments)
+    if mask.segment_ids is not None and implementation != "xla":
+        raise ValueError(
+            f"attention_impl={implementation!r} does not take document masking (segment ids) here; "
+            "use attention_impl=blockwise, splash or auto"
+        )
     if mask.segment_ids is not None:  # "xla" holds T x T anyway: hand it the whole mask
         dense = _dense_mask(mask, q.shape[0], q.shape[1])
         return jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="xla")

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-from jaxtyping import Array, Float
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
 
 # Splash tiles the sequence in blocks whose sizes must be multiples of the TPU lane width.
 LANES = 128
@@ -32,7 +33,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(
-    seq: int, heads: int, sliding_window: Optional[int], block: int, interpret: bool
+    seq: int, heads: int, sliding_window: Optional[int], block: int, interpret: bool, q_seq_shards: int = 1
 ) -> splash.SplashAttentionKernel:
     # Building a kernel walks the mask block by block in numpy; cache it so each layer kind
     # pays that once per shape, not once per trace.
@@ -56,11 +57,24 @@ def _kernel(
     # The first call usually comes from inside a jit/shard_map trace, where the kernel's
     # jnp.array(mask info) would be a tracer that the cache leaks into the next trace: build
     # eagerly and keep the mask info as numpy, which every later trace embeds as a constant.
+    # q_seq_shards > 1 lays the mask info out per query shard (context parallelism), so that
+    # shard_map hands each device the blocks of its own queries.
     with jax.ensure_compile_time_eval():
-        kernel = splash.make_splash_mha_single_device(
-            masks.MultiHeadMask([mask] * heads), block_sizes=sizes, interpret=interpret
+        kernel = splash.make_splash_mha(
+            masks.MultiHeadMask([mask] * heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=q_seq_shards,
+            interpret=interpret,
         )
     return jax.tree.map(np.asarray, kernel)
+
+
+def _segments(segment_ids: Optional[Array], q_ids: Optional[Array] = None):
+    """Per-example splash SegmentIds (query ids may be a shard of the key ids), or None."""
+    if segment_ids is None:
+        return None
+    return splash.SegmentIds(q=segment_ids if q_ids is None else q_ids, kv=segment_ids)
 
 
 def splash_attention(
@@ -69,10 +83,12 @@ def splash_attention(
     v: Float[Array, "batch seq kv_heads head_dim"],
     *,
     sliding_window: Optional[int],
+    segment_ids: Optional[Int[Array, "batch seq"]] = None,
     interpret: Optional[bool] = None,
     block_size: int = 512,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """Causal attention, optionally limited to the last `sliding_window` keys (query included).
+    """Causal attention, optionally limited to the last `sliding_window` keys (query included)
+    and to keys of the query's own document (`segment_ids`, intra-document masking).
 
     Same contract as `reference_attention`. `interpret=True` runs the kernel's own numerics on
     CPU; the default (None) interprets everywhere but on a TPU, so tests can run this path.
@@ -80,10 +96,7 @@ def splash_attention(
     """
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
-    if block_size % LANES:
-        raise ValueError(f"splash block_size must be a multiple of {LANES}, got {block_size}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    _check(block_size, sliding_window)
     seq = q.shape[1]
     if sliding_window is not None and sliding_window >= seq:
         sliding_window = None  # a window wider than the sequence is plain causal
@@ -92,11 +105,86 @@ def splash_attention(
     # Padded keys sit after every real query, so the causal mask already hides them from the
     # rows we keep; the padded query rows attend to something finite and are sliced off.
     pad = [(0, 0), (0, padded - seq), (0, 0), (0, 0)]
+    if segment_ids is not None:  # padding continues the last document; causality hides it
+        segment_ids = jnp.pad(segment_ids, [(0, 0), (0, padded - seq)], mode="edge")
+    q, k, v = (_heads_major(jnp.pad(x, pad)) for x in (_scaled(q), k, v))
+    kernel = _kernel(padded, q.shape[1], sliding_window, block, interpret)
+    out = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=_segments(seg)))(q, k, v, segment_ids)
+    return jnp.swapaxes(out, 1, 2)[:, :seq]
+
+
+def context_parallel_splash(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    *,
+    sliding_window: Optional[int],
+    segment_ids: Optional[Int[Array, "batch seq"]],
+    mesh: jax.sharding.Mesh,
+    q_spec: P,
+    kv_spec: P,
+    interpret: bool,
+    block_size: int = 512,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """Splash with the sequence split over a mesh axis (context parallelism, llama3-style):
+    each device's queries against the keys and values all-gathered over that axis.
+
+    `q_spec` / `kv_spec` are the activations' PartitionSpecs ([batch, seq, heads, head_dim]);
+    the sequence entry names the context axis. The kernel's mask info is laid out per query
+    shard (splash's `q_seq_shards`), so every device walks only the blocks of its own queries.
+    """
+    _check(block_size, sliding_window)
+    seq, context = q.shape[1], q_spec[1]
+    shards = math.prod(mesh.shape[a] for a in (context if isinstance(context, tuple) else (context,)))
+    block = min(block_size, seq // shards)
+    if seq % (shards * LANES) or (seq // shards) % block:
+        raise ValueError(
+            f"context-parallel splash attention needs the sequence ({seq}) split over {shards} devices in whole "
+            f"blocks of a multiple of {LANES} tokens; choose a sequence length that is a multiple of {shards * block}"
+        )
+    if sliding_window is not None and sliding_window >= seq:
+        sliding_window = None
+    heads = q.shape[2] // math.prod(mesh.shape[a] for a in _axes(q_spec[2]))
+    kernel = _kernel(seq, heads, sliding_window, block, interpret, shards)
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, context)))
+    whole_kv = P(kv_spec[0], None, kv_spec[2], kv_spec[3])  # K/V all-gathered over the context axis
+    if segment_ids is None:
+        segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
+
+    def shard(kernel, q, k, v, q_seg, kv_seg):
+        q, k, v = (_heads_major(x) for x in (_scaled(q), k, v))
+        out = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=splash.SegmentIds(q=qs, kv=ks)))(
+            q, k, v, q_seg, kv_seg
+        )
+        return jnp.swapaxes(out, 1, 2)
+
+    run = jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(kernel_spec, q_spec, whole_kv, whole_kv, P(q_spec[0], context), P(q_spec[0], None)),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    return run(kernel, q, k, v, segment_ids, segment_ids)
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _check(block_size: int, sliding_window: Optional[int]) -> None:
+    if block_size % LANES:
+        raise ValueError(f"splash block_size must be a multiple of {LANES}, got {block_size}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+
+
+def _scaled(q: Array) -> Array:
     # The kernel does not scale the logits itself.
-    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+    return q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+
+
+def _heads_major(x: Array) -> Array:
     # The kernel wants [heads, seq, head_dim] per example; GQA is native (query head h reads
     # kv head h // (heads // kv_heads)), so K and V are never repeated.
-    q, k, v = (jnp.swapaxes(jnp.pad(x, pad), 1, 2) for x in (q, k, v))
-    kernel = _kernel(padded, q.shape[1], sliding_window, block, interpret)
-    out = jax.vmap(kernel)(q, k, v)
-    return jnp.swapaxes(out, 1, 2)[:, :seq]
+    return jnp.swapaxes(x, 1, 2)
