@@ -291,6 +291,11 @@ def compile_train_step(config, devices) -> CompiledStep:
         "input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout),
         "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout),
     }
+    # Document masking (stage 3) hands the model segment ids, and positions when they restart.
+    if config.data.document_masking:
+        batch["segment_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
+    if config.data.reset_positions_per_document:
+        batch["positions"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
     schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
     step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=config.trainer.micro_batches).step
 
@@ -396,7 +401,8 @@ def estimate_step(config, devices, chip: Chip, collective_bytes: float, kernel: 
         "roofline_bound": bound,
         "roofline_terms": {"compute": compute_s, "hbm": memory_s, "interconnect": network_s},
         # XLA's own cost model, plus the kernel's FLOPs at peak (it does not see them either).
-        "xla_seconds": None if xla_seconds is None else xla_seconds + kernel_flops / chip.peak_bf16_flops,
+        # (XLA:GPU has no time model: the CPU client's analysis gives none worth the name.)
+        "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
     }
 
 
@@ -690,6 +696,11 @@ def main(argv: list[str] | None = None) -> None:
     if target.platform == "cpu":
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={target.n_devices}".strip()
+    import jax
+
+    # The package has imported jax already, which read JAX_PLATFORMS then; its backends
+    # start only now, so the setting still takes effect through the config.
+    jax.config.update("jax_platforms", "cpu")
     from .config import compose_config
 
     config = compose_config(overrides)

@@ -15,6 +15,7 @@ chip as one (megacore).
 """
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -69,6 +70,8 @@ class Target:
     def describe(self) -> str:
         if self.platform == "cpu":
             return f"{self.n_devices} fake CPU devices (XLA:CPU)"
+        if self.platform == "gpu":
+            return f"{self.n_devices} x {self.chip.name} (compiled by XLA:GPU, no GPU needed)"
         slices = f" x {self.slices} slices" if self.slices > 1 else ""
         return f"{self.chip.name} {self.topology}{slices} (compiled by XLA:{self.platform.upper()}, no chip needed)"
 
@@ -105,6 +108,9 @@ def tpu_devices(target: Target) -> list:
     from jax.experimental import topologies
 
     generation = next(k for k, c in CHIPS.items() if c is target.chip)
+    # libtpu takes a lock file so that two processes never drive one TPU; compiling drives
+    # none, and a second plan (or test run) beside this one must not be refused.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         topology = topologies.get_topology_desc(
             platform="tpu", topology_name=f"{generation}:{target.topology}", **({"num_slices": target.slices} if target.slices > 1 else {})
