@@ -1,14 +1,17 @@
 """`python -m olmo_eqx +stage=NAME [overrides]`: compose the config, find the stage, run it.
 
 Without a stage it lists the installed stages and exits 0. A config that does not check out
-stops before any stage code runs, with a message naming the key: Hydra itself refuses
-unknown keys and wrong types (exit status 1), the library's dataclasses invalid values and
-the stage its own bad input (exit status 2, one line).
+stops before any stage code runs, in one line naming the key and what it takes (exit status
+2): Hydra refuses unknown keys, wrong types and unknown group options or stages (said here
+through `olmo_eqx.config.hydra_refusal`), the library's dataclasses invalid values, and the
+stage its own bad input.
 
 In a sweep (`-m`), Hydra's default launcher would run every job in this one process, carrying
 JAX's state and device memory from job to job. So each job re-runs this command, with its own
 overrides and run directory, in a fresh Python process; this process only waits for it and
-reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the end).
+reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the end). This parent
+composes the jobs without the schema's types, so that a value of the wrong type fails its own
+job (refused by `to_config`) and not the whole sweep.
 """
 
 import dataclasses

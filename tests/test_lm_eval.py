@@ -155,3 +155,17 @@ def test_the_command_line_runs_a_local_task(setup, tmp_path):
     assert "toy_mc" in result.stdout and "acc" in result.stdout
     [written] = list(out.rglob("results_*.json"))
     assert 0.0 <= json.loads(written.read_text())["results"]["toy_mc"]["acc,none"] <= 1.0
+
+
+def test_the_command_line_refuses_a_bad_checkpoint_in_one_line(setup, tmp_path):
+    *_, tasks = setup
+    result = subprocess.run(
+        [sys.executable, "-m", "olmo_eqx.harness", "--model", "olmo_eqx", "--model_args",
+         f"checkpoint={tmp_path / 'nope'}", "--tasks", "toy_mc", "--include_path", str(tasks)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    # The harness' own argument named, not the stages' checkpoint.load.
+    assert last.startswith(f"error: --model_args checkpoint={tmp_path / 'nope'}: ") and "does not exist" in last, last
