@@ -57,7 +57,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which tokens to train on and how they are cut and ordered (olmo3-spec section 4)."""
+    """Which tokens to train on and how they are cut and ordered (docs/olmo3.md section 4)."""
 
     # "embedded": the corpus shipped with the package (Python stdlib source, 4096-token BPE).
     # Otherwise an OLMo-core mix manifest (.txt; needs data_root and tokenizer) or a glob of

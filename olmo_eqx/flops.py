@@ -1,4 +1,4 @@
-"""Model FLOPs per token, the numerator of MFU (olmo3-spec §5).
+"""Model FLOPs per token, the numerator of MFU (docs/olmo3.md section 5).
 
     6 * N_matmul + 12 * sum over layers of (n_heads * head_dim * context)
 
