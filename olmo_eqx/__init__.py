@@ -7,6 +7,7 @@ from .huge_pages import reexec_with_huge_pages, started_as_olmo_eqx_command
 if started_as_olmo_eqx_command():
     reexec_with_huge_pages()
 
+from .export import export_hf
 from .flops import flops_per_token
 from .generate import generate
 from .hf import load_hf, save_hf
@@ -20,6 +21,7 @@ __all__ = [
     "YarnConfig",
     "ZOO",
     "count_params",
+    "export_hf",
     "flops_per_token",
     "generate",
     "get_model_config",

@@ -1,14 +1,17 @@
 """`python -m olmo_eqx +stage=NAME [overrides]`: compose the config, find the stage, run it.
 
 Without a stage it lists the installed stages and exits 0. A config that does not check out
-stops before any stage code runs, with a message naming the key: Hydra itself refuses
-unknown keys and wrong types (exit status 1), the library's dataclasses invalid values and
-the stage its own bad input (exit status 2, one line).
+stops before any stage code runs, in one line naming the key and what it takes (exit status
+2): Hydra refuses unknown keys, wrong types and unknown group options or stages (said here
+through `olmo_eqx.config.hydra_refusal`), the library's dataclasses invalid values, and the
+stage its own bad input.
 
 In a sweep (`-m`), Hydra's default launcher would run every job in this one process, carrying
 JAX's state and device memory from job to job. So each job re-runs this command, with its own
 overrides and run directory, in a fresh Python process; this process only waits for it and
-reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the end).
+reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the end). This parent
+composes the jobs without the schema's types, so that a value of the wrong type fails its own
+job (refused by `to_config`) and not the whole sweep.
 """
 
 import dataclasses
@@ -25,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from olmo_eqx.config import CONF_DIR, ConfigError, register_configs, stage_settings, to_config
+from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
 from olmo_eqx.errors import RunError
 from olmo_eqx.run_dir import SUMMARY_FILE, remove_if_new_and_empty
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
@@ -57,7 +60,9 @@ def run_job_in_subprocess(hydra_config, run_dir: Path) -> Optional[dict]:
     """
     command = [sys.executable, "-m", "olmo_eqx", *hydra_config.overrides.task, f"hydra.run.dir={run_dir}"]
     print(f"[sweep] job {hydra_config.job.num}: {' '.join(hydra_config.overrides.task)} -> {run_dir}", flush=True)
-    child = subprocess.Popen(command, env=os.environ.copy(), start_new_session=True)
+    # Not main()'s HYDRA_FULL_ERROR: the job's own main() says Hydra's refusals in one line too.
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR" or _USER_WANTS_TRACEBACK}
+    child = subprocess.Popen(command, env=env, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, _frame):
@@ -114,12 +119,32 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         sys.exit(2)
 
 
+# HYDRA_FULL_ERROR=1 set by the user: Hydra's refusals keep their whole traceback.
+_USER_WANTS_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _is_multirun(args: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") for a in args)
+
+
 def main() -> None:
-    register_configs()
     if len(sys.argv) == 1:
+        register_configs()
         list_stages()  # directly: through Hydra, even a listing would create a run directory
         return
-    _hydra_main()
+    register_configs(typed=not _is_multirun(sys.argv[1:]))
+    # Hydra prints its own refusals (a typo'd key, a wrong type, an unknown option) in 7 to 40
+    # lines and exits; with HYDRA_FULL_ERROR it raises them instead, and they are said here in
+    # one line. Anything else still comes with its whole traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except Exception as e:
+        refusal = None if _USER_WANTS_TRACEBACK else hydra_refusal(e)
+        if refusal is None:
+            raise
+        print(f"error: {refusal}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which tokens to train on and how they are cut and ordered (olmo3-spec section 4)."""
+    """Which tokens to train on and how they are cut and ordered (docs/olmo3.md section 4)."""
 
     # "embedded": the corpus shipped with the package (Python stdlib source, 4096-token BPE).
     # Otherwise an OLMo-core mix manifest (.txt; needs data_root and tokenizer) or a glob of
@@ -364,7 +364,7 @@ def config_to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 
 
-def register_configs() -> None:
+def register_configs(typed: bool = True) -> None:
     """Fill Hydra's ConfigStore: the schema, the model zoo, and every installed stage.
 
     A stage needs an option in the `stage` group for `+stage=NAME` to compose. Installed
@@ -372,17 +372,25 @@ def register_configs() -> None:
     `config_class` (typed, so Hydra checks `stage.KEY=VALUE` like any other key), so a
     third-party stage needs no YAML file. (Registering both a file and an entry would make
     Hydra validate one against the other, a deprecated behaviour that warns.)
+
+    typed=False registers the same keys and defaults without their types, for a sweep's parent
+    process: Hydra composes every job there before any runs, so one value of a wrong type
+    would stop the whole sweep; untyped, that job's config reaches `to_config`, which refuses
+    it in that job alone (unknown keys are still refused at once: the config stays closed).
     """
-    # hydra.run.dir's default (conf/config.yaml): eval/compare output next to the model.
+    def node(value):
+        return value if typed else OmegaConf.to_container(OmegaConf.structured(value))
+
+    # hydra.run.dir's default (conf/config.yaml): eval/compare/export output next to the model.
     OmegaConf.register_new_resolver("olmo_eqx_run_dir", default_run_dir, replace=True)
     store = ConfigStore.instance()
-    store.store(name="olmo_eqx_schema", node=schema_of(Config))
+    store.store(name="olmo_eqx_schema", node=node(schema_of(Config)))
     for name, model in ZOO.items():
-        store.store(group="model", name=name, node=schema_node(model))
+        store.store(group="model", name=name, node=node(schema_node(model)))
     for name in stage_entry_points():
         if not (CONF_DIR / "stage" / f"{name}.yaml").exists():
             config_class = stage_config_class(name)
-            store.store(group="stage", name=name, node=schema_node(config_class()) if config_class else {})
+            store.store(group="stage", name=name, node=node(schema_node(config_class())) if config_class else {})
 
 
 def compose_config(overrides: Sequence[str] = ()) -> Config:
@@ -394,7 +402,69 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=list(overrides)))
+        try:
+            composed = compose(config_name="config", overrides=list(overrides))
+        except Exception as e:
+            refusal = hydra_refusal(e)
+            if refusal is None:
+                raise
+            raise ConfigError(refusal) from e
+    return to_config(composed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydra's own refusals, in one line
+
+
+def _library_class(schema: Any) -> Optional[type]:
+    return next((cls for cls, mirror in _SCHEMAS.items() if mirror is schema), None)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp).replace("typing.", "")
+
+
+def hydra_refusal(error: BaseException) -> Optional[str]:
+    """Hydra's (or OmegaConf's) refusal of the command line as one line naming the key and what
+    it takes: an unknown key, a wrong type, an unknown option of a group or an unknown stage.
+    None for anything else (a bug to see in full).
+
+    Hydra says these in 7 to 40 lines and advises `+key=value` for a typo, which would only move
+    the refusal to the dataclass check.
+    """
+    import difflib
+
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(error, MissingConfigException) and error.options and "/" in (error.missing_cfg_file or ""):
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        what = "no stage of that name is installed" if group == "stage" else f"{group} has no option {option!r}"
+        close = difflib.get_close_matches(option, error.options, n=1)
+        group = "+stage" if group == "stage" else group  # selected with a +: not in the defaults
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        return f"{group}={option}: {what}{hint}; choose one of {', '.join(error.options)}"
+    cause = error.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        section, _, name = cause.full_key.rpartition(".")
+        cls = _library_class(cause.object_type)
+        if cls is None:
+            return f"unknown key {cause.full_key}: {section or 'the config'} has no key {name!r}"
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
+        return f"unknown key {cause.full_key}{hint}: {section or 'the config'} ({cls.__name__}) has {', '.join(names)}"
+    if isinstance(cause, ValidationError) and cause.full_key:
+        name = cause.full_key.rpartition(".")[2]
+        cls = _library_class(cause.object_type)
+        hints = typing.get_type_hints(cls) if cls is not None else {}
+        expected = f"; {cause.full_key} takes {_type_name(hints[name])}" if name in hints else ""
+        return f"{cause.full_key}: {str(cause).splitlines()[0]}{expected}"
+    if isinstance(error, OverrideParseException):
+        return f"cannot read the command line's overrides: {str(error).splitlines()[0]} (see `--help`)"
+    if isinstance(error, (HydraException, OmegaConfBaseException)):
+        return str(error).strip().splitlines()[0]
+    return None
 
 
 def stage_settings(stage: Any, name: str, values: dict) -> Any:

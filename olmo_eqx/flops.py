@@ -1,4 +1,4 @@
-"""Model FLOPs per token, the numerator of MFU (OLMo-core's count since late 2025).
+"""Model FLOPs per token, the numerator of MFU (docs/olmo3.md section 5).
 
     6 * N_matmul + 12 * sum over layers of (n_heads * head_dim * context)
 

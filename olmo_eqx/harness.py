@@ -35,7 +35,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from olmo_eqx.evaluation.downstream import score_encoded, score_requests
-from olmo_eqx.errors import EvalError
+from olmo_eqx.errors import EvalError, RunError
 from olmo_eqx.evaluation.requests import Encoded, Request
 from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
 from olmo_eqx.generate import generate
@@ -79,7 +79,8 @@ class OLMoEqxLM(LM):
         if checkpoint is None:
             raise EvalError("--model_args checkpoint=<run dir | checkpoints dir | step dir | HF checkpoint dir> is required")
         overrides = [f"model.attention_impl={attention_impl}", f"model.compute_dtype={compute_dtype}"]
-        subject = load_subject(str(checkpoint), None, tokenizer, compose_config(overrides), self.mesh, self.rules)
+        subject = load_subject(str(checkpoint), None, tokenizer, compose_config(overrides), self.mesh, self.rules,
+                               key="--model_args checkpoint")
         if subject.tokenizer is None:
             raise EvalError(f"{subject.name}: the model's tokenizer is unknown; add tokenizer=<tokenizer.json> to --model_args")
         self.subject, self.model, self.tokenizer = subject, subject.model, subject.tokenizer
@@ -165,11 +166,16 @@ if "olmo_eqx" not in model_registry:
 
 
 def main() -> None:
-    """lm-eval's command line with `--model olmo_eqx` available."""
+    """lm-eval's command line with `--model olmo_eqx` available; our model's refusals (a bad
+    checkpoint, tokenizer or model arg) in one line, exit status 2."""
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv[0] = "python -m olmo_eqx.harness"
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

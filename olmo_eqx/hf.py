@@ -321,14 +321,18 @@ def hf_state_dict(model: OLMo, *, dtype: Optional[str] = None) -> dict[str, jax.
 
 
 def save_hf(model: OLMo, path: str | os.PathLike, *, dtype: Optional[str] = None,
-            max_shard_bytes: int = 5 * 2**30, eos_token_id: Optional[int] = None,
-            pad_token_id: Optional[int] = None) -> None:
+            max_shard_bytes: int = 5 * 2**30, tokenizer: Optional[str | os.PathLike] = None,
+            eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None) -> None:
     """Write `model` as a HF checkpoint directory that `transformers` loads as Olmo3/Olmo2ForCausalLM.
 
     Weights are cast to `dtype` (default: the model's parameter dtype); more than
-    `max_shard_bytes` of weights are split into shards with an index file.
+    `max_shard_bytes` of weights are split into shards with an index file. With `tokenizer`
+    (the model's tokenizer.json) the directory also holds it and its tokenizer_config.json,
+    and the EOS and pad ids default to its tokens'. OLMo adds no BOS token.
     """
     config = model.config
+    if tokenizer is not None:
+        eos_token_id, pad_token_id = _special_ids(Path(tokenizer), eos_token_id, pad_token_id)
     dtype = dtype or config.param_dtype
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -356,3 +360,56 @@ def save_hf(model: OLMo, path: str | os.PathLike, *, dtype: Optional[str] = None
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf = hf_config_dict(config, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    generation = {"bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if tokenizer is not None:
+        _write_tokenizer(Path(tokenizer), directory, eos_token_id, pad_token_id, config.max_sequence_length)
+    # safetensors creates its files private (0600); give them the mode of every other file
+    # written here, the umask's, so the directory can be shared like any model directory.
+    mode = 0o666 & ~_umask()
+    for file in directory.glob("model*.safetensors"):
+        file.chmod(mode)
+
+
+def _umask() -> int:
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+# Token strings of the pad token in the tokenizers OLMo uses (dolma2's and the embedded corpus's).
+PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]")
+
+
+def _special_ids(tokenizer: Path, eos: Optional[int], pad: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """EOS and pad ids: the ones given, else the tokenizer's tokens of those names."""
+    from tokenizers import Tokenizer
+
+    from .evaluation.tokens import EOS_CANDIDATES
+
+    if not tokenizer.is_file():
+        raise HFCheckpointError(f"tokenizer {tokenizer} does not exist; give the model's tokenizer.json")
+    text = Tokenizer.from_file(str(tokenizer))
+
+    def first(candidates):
+        return next((i for i in (text.token_to_id(t) for t in candidates) if i is not None), None)
+
+    return (first(EOS_CANDIDATES) if eos is None else eos), (first(PAD_CANDIDATES) if pad is None else pad)
+
+
+def _write_tokenizer(tokenizer: Path, directory: Path, eos: Optional[int], pad: Optional[int], max_length: int) -> None:
+    """tokenizer.json and the tokenizer_config.json that lets transformers' AutoTokenizer read it."""
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(tokenizer))
+    (directory / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": None if eos is None else text.id_to_token(eos),
+        "pad_token": None if pad is None else text.id_to_token(pad),
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))

@@ -537,7 +537,7 @@ def plan(overrides: list[str], target: Target | str | int = "cpu:8", *, estimate
 # Searching layouts
 
 
-def _layouts(config, target: Target, batch_shards: int):
+def _layouts(config, target: Target, batch_shards: int):  # noqa: D401
     """Candidate layouts, most memory first within each remat policy: (model changes, micro-batches)."""
     policies = ["save_projections", "save_attention", "full"]
     if target.platform in ("tpu", "gpu"):
@@ -556,9 +556,7 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
     smaller attention block. At most `max_layouts` compiles of the step (each layout that fits
     also costs the estimate's two smaller compiles).
     """
-    from .sharding import MeshConfig, ShardingRules
-
-    shards = math.prod(MeshConfig.shape(config.mesh, len(devices))[:2])  # data x fsdp
+    shards = math.prod(config.mesh.shape(len(devices))[:2])  # data x fsdp: the batch shards
     rows, tried = [], 0
     started = time.perf_counter()
 

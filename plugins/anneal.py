@@ -2,7 +2,7 @@
 
 Starts from stage-1 weights and trains on a new mix with its own recipe (OLMo 3 7B: LR
 2.0712e-4, no warmup, linear decay to exactly 0 at the last step, its own batch and seed;
-olmo3-spec section 3). `conf/stage/anneal.yaml` sets those as the defaults of the ordinary
+docs/olmo3.md section 3). `conf/stage/anneal.yaml` sets those as the defaults of the ordinary
 keys (`optim.lr`, `schedule`, `data.seed`), so every one of them is overridden the usual way.
 
     checkpoint.load   what to start from: a run dir of ours, its checkpoints dir, one step dir,

@@ -14,7 +14,14 @@ from typing import Optional
 
 from olmo_eqx.config import Config
 
-DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    ")
+# Each ends inside a line or on its indent: the tokenizer merges a newline with the indent after
+# it ("\n        " is one token), so a prompt ending on a lone "\n" asks for a token the model
+# rarely saw there, and a small model answers with newlines.
+DEFAULT_PROMPTS = (
+    "class TestList(unittest.TestCase):\n\n    def test_append(self):\n        self.assert",
+    "import os\n\n\ndef ",
+    "class Stack:\n    ",
+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Stage 3, long context: `python -m olmo_eqx +stage=long_context checkpoint.load=PATH`.
 
-OLMo 3's long-context extension (olmo3-spec section 3): from the stage-2 checkpoint *with*
+OLMo 3's long-context extension (docs/olmo3.md section 3): from the stage-2 checkpoint *with*
 its optimiser state, YaRN (factor 8, beta_fast 32, beta_slow 1) on the full-attention layers
 only (the sliding layers keep plain RoPE), a longer sequence, intra-document masking, LR
 2.07e-4 with 200 warmup steps then linear to exactly 0. `conf/stage/long_context.yaml` sets

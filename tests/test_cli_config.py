@@ -19,20 +19,26 @@ def test_no_stage_lists_installed_stages():
 
 
 @pytest.mark.parametrize(
-    "override, key",
+    "override, key, choices",
     [
-        ("trainer.stepz=3", "trainer.stepz"),  # a typo
-        ("trainer.steps=abc", "trainer.steps"),  # a wrong type
-        ("model.param_dtype=float16", "model.param_dtype"),  # outside a Literal's choices
-        ("trainer.loggers=[jsonl,csv]", "trainer.loggers"),  # no such metric sink
+        ("trainer.stepz=3", "trainer.stepz", "did you mean trainer.steps?"),  # a typo (Hydra's refusal)
+        ("trainer.steps=abc", "trainer.steps", "takes int"),  # a wrong type (Hydra's)
+        ("model=olmo3_8b", "model=olmo3_8b", "olmo3_7b, olmo3_nano"),  # no such group option (Hydra's)
+        ("+stage=pretrian", "+stage=pretrian", "generate, long_context, pretrain"),  # no such stage (Hydra's)
+        ("model.param_dtype=float16", "model.param_dtype", "'bfloat16'"),  # outside a Literal's choices
+        ("trainer.loggers=[jsonl,csv]", "trainer.loggers", "'tensorboard'"),  # no such metric sink
     ],
 )
-def test_bad_config_fails_before_work_naming_the_key(tmp_path, override, key):
+def test_bad_config_fails_before_work_in_one_line_naming_the_key(tmp_path, override, key, choices):
     run_dir = tmp_path / "outputs" / "run"
-    result = olmo_eqx(*TINY, override, f"hydra.run.dir={run_dir}")
-    assert result.returncode != 0
+    result = olmo_eqx(*[a for a in TINY if not (override.startswith("+stage") and a.startswith("+stage"))], override,
+                      f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
     output = result.stdout + result.stderr
-    assert key in output, output
+    # One line that names the key and what it takes; never Hydra's advice to force a typo in with +.
+    assert output.startswith("error: ") and output.count("\n") == 1, output
+    assert key in output and choices in output, output
+    assert "+trainer.stepz" not in output and "Traceback" not in output
     # Nothing ran, and the refused invocation leaves no directory behind (not even the one
     # Hydra made for it).
     assert "parameters" not in output

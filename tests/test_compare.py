@@ -2,11 +2,12 @@
 its own HF export agrees exactly, and `+stage=compare` writes the four-surface report."""
 
 import json
+from pathlib import Path
 
 import jax
 import pytest
 
-from olmo_eqx.checkpoint import export_hf
+from olmo_eqx.export import export_hf
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.evaluation import Scorer, evaluate_heldout, evaluate_kl, load_model, locate
 from olmo_eqx.models.config import ModelConfig
@@ -43,7 +44,7 @@ def test_kl_of_a_model_with_itself_is_zero_and_of_two_models_positive(mesh):
 
 def test_our_checkpoint_and_its_hf_export_agree(tmp_path_factory, tmp_path, mesh):
     run = tiny_run(tmp_path_factory)
-    hf_dir = export_hf(run / "checkpoints", tmp_path / "hf", step=12)
+    hf_dir = Path(export_hf(run / "checkpoints" / "12", tmp_path / "hf")["out"])
     ours = load_model(locate(str(run)), mesh)
     theirs = load_model(locate(str(hf_dir)), mesh)
     result = evaluate_kl(Scorer(mesh), ours, theirs, embedded_corpus().heldout_set(64), batch_size=8, max_batches=1)
@@ -58,7 +59,7 @@ def compare_run(tmp_path_factory):
     """`+stage=compare` of the run's step-6 checkpoint (A) against its step-12 weights as HF (B)."""
     run = tiny_run(tmp_path_factory)
     root = tmp_path_factory.mktemp("compare")
-    hf_dir = export_hf(run / "checkpoints", root / "hf", step=12)
+    hf_dir = Path(export_hf(run / "checkpoints" / "12", root / "hf")["out"])
     tasks = write_toy_tasks(root / "tasks")
     out = root / "compare"
     result = olmo_eqx("+stage=compare", f"checkpoint.load={run}/checkpoints/6", f"stage.against={hf_dir}",

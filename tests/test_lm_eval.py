@@ -142,16 +142,34 @@ def test_generate_until_is_olmo_eqx_generate_cut_at_the_stop(setup, samples):
         assert sample["resps"][0][0] == lm.tok_decode(new).split("\n\n")[0]
 
 
-def test_the_command_line_runs_a_local_task(setup, tmp_path):
-    run, _, _, tasks = setup
+def test_the_readmes_offline_command_runs_the_shipped_task(setup, tmp_path):
+    run, *_ = setup
     out = tmp_path / "out"
+    root = Path(__file__).resolve().parent.parent  # the README's command runs in the repository's root
     result = subprocess.run(
         [sys.executable, "-m", "olmo_eqx.harness", "--model", "olmo_eqx", "--model_args",
-         f"checkpoint={run},max_length=128", "--batch_size", "8", "--tasks", "toy_mc", "--include_path", str(tasks),
-         "--output_path", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
+         f"checkpoint={run},max_length=128", "--batch_size", "8", "--tasks", "python_qa",
+         "--include_path", "docs/lm_eval_tasks", "--output_path", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=root,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "toy_mc" in result.stdout and "acc" in result.stdout
+    assert "python_qa" in result.stdout and "acc" in result.stdout
     [written] = list(out.rglob("results_*.json"))
-    assert 0.0 <= json.loads(written.read_text())["results"]["toy_mc"]["acc,none"] <= 1.0
+    results = json.loads(written.read_text())
+    assert results["n-samples"]["python_qa"]["effective"] == 8
+    assert 0.0 <= results["results"]["python_qa"]["acc,none"] <= 1.0
+
+
+def test_the_command_line_refuses_a_bad_checkpoint_in_one_line(setup, tmp_path):
+    *_, tasks = setup
+    result = subprocess.run(
+        [sys.executable, "-m", "olmo_eqx.harness", "--model", "olmo_eqx", "--model_args",
+         f"checkpoint={tmp_path / 'nope'}", "--tasks", "toy_mc", "--include_path", str(tasks)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    # The harness' own argument named, not the stages' checkpoint.load.
+    assert last.startswith(f"error: --model_args checkpoint={tmp_path / 'nope'}: ") and "does not exist" in last, last

@@ -206,6 +206,8 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
+    # The first step's wait is announced as compilation, not left silent.
+    assert "compiling the train step: step 1's line comes once it has compiled and run" in output
     if huge_pages.environment_with_huge_pages({"JAX_PLATFORMS": "cpu"}) is not None:
         # The command re-executed itself with the tunable (same pid: the signal reached the run).
         assert "host memory: GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in output, output
@@ -219,6 +221,8 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["start_step"] == stopped and summary["end_step"] == stopped + 2
     assert f"Resuming from {tmp_path / 'checkpoints' / str(stopped)}" in result.stdout
+    # How long it ran, then what to do: not "rerun to resume in <seconds>", which reads as a countdown.
+    assert re.search(rf"stopped at step {stopped + 2} \(trainer.stop_at\) after [\d.]+s; rerun to resume \|", result.stdout)
 
 
 def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path, one_device):

@@ -99,10 +99,20 @@ def test_registry_in_process():
 
 
 def test_sweep_isolates_jobs_and_reports_a_failed_one(third_party, tmp_path):
-    result = olmo_eqx("-m", "+stage=hello", "stage.repeat=0,2", f"hydra.sweep.dir={tmp_path}", env=third_party)
+    # A value refused by the stage's check and one of the wrong type fail their own jobs only.
+    result = olmo_eqx("-m", "+stage=hello", "stage.repeat=0,many,2", f"hydra.sweep.dir={tmp_path}", env=third_party)
     assert result.returncode == 1  # the sweep reports its failure, after running every job
     assert "stage: repeat=0 must be >= 1" in result.stderr
-    assert json.loads((tmp_path / "1" / "summary.json").read_text())["said"] == "hello hello"
+    assert "stage.repeat='many' must be of type int" in result.stderr
+    assert json.loads((tmp_path / "2" / "summary.json").read_text())["said"] == "hello hello"
     table = result.stdout[result.stdout.index("Sweep summary"):]
-    assert "stage.repeat=0" in table and "failed" in table
+    assert "stage.repeat=0" in table and "stage.repeat=many" in table and table.count("failed") == 2
     assert "stage.repeat=2" in table and "ok" in table
+
+
+def test_sweep_with_a_typo_is_refused_whole_in_one_line(third_party, tmp_path):
+    # An unknown key fails every job alike: refused before any starts, naming the key.
+    result = olmo_eqx("-m", "+stage=hello", "stage.repeet=1,2", f"hydra.sweep.dir={tmp_path}", env=third_party)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: unknown key stage.repeet") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "0").exists()

@@ -71,8 +71,11 @@ class Subject:
     tokenizer: Optional[TextTokenizer]
 
 
-def load_subject(path: str, name: Optional[str], tokenizer: Optional[str], config: Config, mesh, rules) -> Subject:
-    location = locate(path, f"checkpoint.load={path}", error=EvalError)
+def load_subject(path: str, name: Optional[str], tokenizer: Optional[str], config: Config, mesh, rules, *,
+                 key: str = "checkpoint.load") -> Subject:
+    """The model at `path` (what `checkpoint.load` takes) with its tokenizer; `key`: the setting
+    `path` came from, named in errors."""
+    location = locate(path, f"{key}={path}", error=EvalError)
     # How it runs here (attention, compute dtype) is this run's: those fields don't touch weights.
     model_config = with_runtime_fields(stored_model_config(location), config)
     model = load_model(location, mesh, rules, model_config=model_config)

@@ -3,7 +3,7 @@
 OLMo 3's JAX reproduction lost weeks to a loader that sharded the index stream twice: each
 host saw only every N-th record of its slice, epochs rolled over N times too often, and
 records repeated. Training loss fell by up to 0.25 while held-out loss stayed flat; unit tests
-(one shard) could not see it, only held-out evaluation did (olmo3-spec section 6). This module
+(one shard) could not see it, only held-out evaluation did (docs/olmo3.md section 6). This module
 watches for that shape at every held-out evaluation of the loop:
 
     over the last `window` evaluations, the mean training loss (of the steps between

@@ -299,6 +299,8 @@ class _Loop:
             self.out.print(f"MFU = model FLOPs/s per device / {self.peak / 1e12:.3g} TFLOP/s ({source})")
         if device.platform == "cpu":
             self.out.print(f"host memory: {huge_pages.describe()}")
+        # Else the first step's silence (seconds to minutes) looks like a hang.
+        self.out.print(f"compiling the train step: step {self.start_step + 1}'s line comes once it has compiled and run")
 
     def write(self, record: dict) -> None:
         self.history.append(record)
@@ -409,7 +411,10 @@ class _Loop:
             return
         metrics_file = self.out.file(METRICS_FILE)
         records = read_metrics(metrics_file) if "jsonl" in self.trainer.loggers and metrics_file.exists() else self.history
-        title = f"{self.config.model.name} | {self.out.path.name} | steps {self.start_step}-{self.end_step} of {self.trainer.steps}"
+        # The plotted steps (a resumed run draws its earlier sessions' records too), not this session's.
+        steps = [r["step"] for r in records if "step" in r]
+        span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps"
+        title = f"{self.config.model.name} | {self.out.path.name} | {span} of {self.trainer.steps}"
         loss_plot(records, self.out.file(PLOT_FILE), title=title)
 
     def run(self) -> dict:
@@ -462,12 +467,13 @@ class _Loop:
         summary = self.summary(end_step, interrupted=interrupted)
         summary_path = self.out.write_summary(summary)
         self.plot()
+        took = f"{summary['wall_time_s']:.1f}s"
         if end_step == trainer.steps:
-            status = "done"
+            status = f"done in {took}"
         else:
-            status = f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}); rerun to resume"
+            status = f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}) after {took}; rerun to resume"
         self.out.print(
-            f"\n{status} in {summary['wall_time_s']:.1f}s | summary: {summary_path} | plot: {self.out.file(PLOT_FILE)}"
+            f"\n{status} | summary: {summary_path} | plot: {self.out.file(PLOT_FILE)}"
             f"\n{json.dumps(summary, indent=2)}"
         )
         return summary
