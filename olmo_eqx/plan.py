@@ -511,7 +511,7 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
             "every device holds that tensor for the whole global batch"
         )
     if estimate and chip:
-        collective_bytes = sum(t["bytes"] for t in traffic.values())
+        collective_bytes = float(sum(t["bytes"] for t in traffic.values()))
         result["estimate"] = est = estimate_step(config, devices, chip, collective_bytes, kernel)
         for name in ("xla_seconds", "roofline_seconds"):
             seconds = est[name]
@@ -556,6 +556,8 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
     smaller attention block. At most `max_layouts` compiles of the step (each layout that fits
     also costs the estimate's two smaller compiles).
     """
+    if target.chip is None:
+        raise SystemExit("+plan.search needs an accelerator target (+plan.target=tpu:... or gpu:...): a chip to fit and a peak")
     shards = math.prod(config.mesh.shape(len(devices))[:2])  # data x fsdp: the batch shards
     rows, tried = [], 0
     started = time.perf_counter()

@@ -120,3 +120,30 @@ def test_the_estimate_counts_every_loop_iteration():
     assert counted_once < 0.6 * truth  # what the estimate corrects
     # Left over: the optimiser update and the gradient sum are counted once per micro-batch.
     assert abs(estimate["flops"] - truth) <= 0.01 * truth
+
+
+def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(monkeypatch):
+    """The search's choices, over the rows plan_config would give (memory, fit, step time)."""
+    import olmo_eqx.plan as plan_module
+
+    config = compose_config([*TINY, "data.global_batch_size=16", "data.sequence_length=2048"])  # 4 sequences per chip
+    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "full": 1.4}
+    fits = {("save_projections", 1): False, ("save_projections", 2): True}
+
+    def fake_plan(layout, target, devices, *, estimate):
+        remat, micro = layout.model.remat, layout.trainer.micro_batches
+        block = layout.model.attention_block_size or 512
+        step = seconds[remat] * (1 + 0.1 * micro) * (0.95 if block == 1024 else 1.0)
+        row = {"remat": remat, "micro_batches": micro, "attention_block_size": layout.model.attention_block_size,
+               "fits": fits.get((remat, micro), True), "compile_seconds": 1.0, "bytes": {"total": 0}}
+        row["estimate"] = {"xla_seconds": step, "roofline_seconds": step, "xla_mfu": 0.5, "roofline_mfu": 0.5}
+        return row
+
+    monkeypatch.setattr(plan_module, "plan_config", fake_plan)
+    found = plan_module.search(config, TARGET, list(range(4)), max_layouts=8, report=lambda line: None)
+    tried = [(r["remat"], r["micro_batches"], r["attention_block_size"]) for r in found["rows"]]
+    # save_projections needs 2 micro-batches; the others fit with 1; then blocks for the best.
+    assert tried[:5] == [("save_projections", 1, None), ("save_projections", 2, None), ("offload_projections", 1, None),
+                         ("save_attention", 1, None), ("full", 1, None)]
+    assert tried[5:] == [("save_attention", 1, 1024), ("save_attention", 1, 256)]
+    assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_attention", 1024)
