@@ -511,15 +511,22 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
             "every device holds that tensor for the whole global batch"
         )
     if estimate and chip:
-        collective_bytes = float(sum(t["bytes"] for t in traffic.values()))
-        result["estimate"] = est = estimate_step(config, devices, chip, collective_bytes, kernel)
-        for name in ("xla_seconds", "roofline_seconds"):
-            seconds = est[name]
-            est[name.replace("seconds", "mfu")] = (
-                result["model_flops_per_device"] / (seconds * chip.peak_bf16_flops) if seconds else None
-            )
-        est["reconciled_over_model_flops"] = est["flops"] / result["model_flops_per_device"]
-        result["estimate_seconds"] = time.perf_counter() - started - result["compile_seconds"]
+        add_estimate(result, config, devices, chip)
+    return result
+
+
+def add_estimate(result: dict, config, devices, chip: Chip) -> dict:
+    """Add the step-time and MFU estimates (`estimate_step`) to a plan that compiled."""
+    started = time.perf_counter()
+    collective_bytes = float(sum(t["bytes"] for t in result["collectives"].values()))
+    result["estimate"] = est = estimate_step(config, devices, chip, collective_bytes, result["attention_kernel"])
+    for name in ("xla_seconds", "roofline_seconds"):
+        seconds = est[name]
+        est[name.replace("seconds", "mfu")] = (
+            result["model_flops_per_device"] / (seconds * chip.peak_bf16_flops) if seconds else None
+        )
+    est["reconciled_over_model_flops"] = est["flops"] / result["model_flops_per_device"]
+    result["estimate_seconds"] = time.perf_counter() - started
     return result
 
 
@@ -669,21 +676,26 @@ def format_plan(p: dict) -> str:
         if t["count"]:
             lines.append(f"  {kind:<18} {t['count']:>6} ops  {t['bytes'] / GIB:10.2f} GiB")
     lines.append(f"model FLOPs per device per step: {p['model_flops_per_device']:.3e}")
-    if est := p.get("estimate"):
-        terms = est["roofline_terms"]
-        lines += [
-            "",
-            "ESTIMATES (from the compiled program and the chip's published peaks; not measurements):",
-            f"  step FLOPs per device {est['flops']:.3e} = {est['reconciled_over_model_flops']:.2f} x model FLOPs "
-            f"(remat recomputation; loops counted, {est['kernel_flops']:.2e} of it attention kernel FLOPs from the formula)",
-            f"  HBM bytes per device  {est['hbm_bytes'] or 0:.3e}",
-            f"  roofline: compute {terms['compute']:.3f} s, HBM {terms['hbm']:.3f} s, interconnect {terms['interconnect']:.3f} s"
-            f" -> {est['roofline_seconds']:.3f} s per step ({est['roofline_bound']}-bound), MFU {100 * est['roofline_mfu']:.1f}%",
-        ]
-        if est["xla_seconds"]:
-            lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step, MFU {100 * est['xla_mfu']:.1f}%")
-        lines.append(f"  ({PUBLISHED_MFU})")
     lines += [f"warning: {w}" for w in p["warnings"]] or ["the batch is split over every device; no batch-sized all-gathers"]
+    if p.get("estimate"):
+        lines += ["", format_estimate(p)]
+    return "\n".join(lines)
+
+
+def format_estimate(p: dict) -> str:
+    est = p["estimate"]
+    terms = est["roofline_terms"]
+    lines = [
+        "ESTIMATES (from the compiled program and the chip's published peaks; not measurements):",
+        f"  step FLOPs per device {est['flops']:.3e} = {est['reconciled_over_model_flops']:.2f} x model FLOPs "
+        f"(remat recomputation; loops counted, {est['kernel_flops']:.2e} of it attention kernel FLOPs from the formula)",
+        f"  HBM bytes per device  {est['hbm_bytes'] or 0:.3e}",
+        f"  roofline: compute {terms['compute']:.3f} s, HBM {terms['hbm']:.3f} s, interconnect {terms['interconnect']:.3f} s"
+        f" -> {est['roofline_seconds']:.3f} s per step ({est['roofline_bound']}-bound), MFU {100 * est['roofline_mfu']:.1f}%",
+    ]
+    if est["xla_seconds"]:
+        lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step, MFU {100 * est['xla_mfu']:.1f}%")
+    lines.append(f"  ({PUBLISHED_MFU})")
     return "\n".join(lines)
 
 
@@ -714,8 +726,13 @@ def main(argv: list[str] | None = None) -> None:
         print("none fits" if best is None else f"best: remat {best['remat']}, {best['micro_batches']} micro-batch(es), "
               f"attention block {best['attention_block_size'] or 'auto'}\n\n{format_plan(best)}", flush=True)
     else:
-        result = plan_config(config, target, devices, estimate=estimate, hlo_path=options.hlo)
+        # The memory plan first: the estimate's two more compiles take as long again.
+        result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)
         print(format_plan(result), flush=True)
+        if estimate and target.chip and not result.get("refused"):
+            print("\nestimating the step time (two more compiles: one and two attention cycles unrolled) ...", flush=True)
+            add_estimate(result, config, devices, target.per_device)
+            print(format_estimate(result), flush=True)
     if options.json:
         import json
 
