@@ -26,7 +26,7 @@ from olmo_eqx.train.schedules import ScheduleConfig  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="olmo3_tiny_gqa")
+    parser.add_argument("--model", default="olmo3_tiny_gqa", help="a zoo name, or olmo3_small_test (the suite's)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -60,6 +60,9 @@ def main():
     for metric in ("lrs", "losses", "grad_norms"):
         print(f"  {metric:11} {result.max_relative('run', metric):.2e}")
     print(f"  weights     {weights[worst]:.2e} ({worst})")
+    others = {name: d for name, d in weights.items() if name != worst}
+    second = max(others, key=others.get)
+    print(f"              {others[second]:.2e} ({second}, the next worst)")
     print(f"  skipped     ours {[i + 1 for i, s in enumerate(ours.skipped) if s]}, "
           f"OLMo-core {[i + 1 for i, s in enumerate(ref.skipped) if s]}")
 
