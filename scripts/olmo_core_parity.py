@@ -6,8 +6,9 @@
 OLMo-core's side is its own Trainer, TransformerTrainModule (cross-entropy + z-loss, clipping),
 skip-step AdamW (the embedding in a no-decay group, as its official OLMo 3 scripts) and
 CosWithWarmup scheduler; ours is the library's train step (tests/olmo_core_reference.py).
-Prints the per-step table and the max relative differences. --decay-embedding / --no-z-loss
-change OLMo-core's side only, to show what a recipe error looks like in the same figures.
+Prints the per-step table and the max relative differences. --decay-embedding, --no-z-loss and
+--olmo-core-warmup change OLMo-core's side only, to show what a recipe error looks like in the
+same figures.
 Needs the test extra (torch, ai2-olmo-core).
 """
 
@@ -37,11 +38,15 @@ def main():
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (float32 weights and moments)")
     parser.add_argument("--decay-embedding", action="store_true")
     parser.add_argument("--no-z-loss", action="store_true")
+    parser.add_argument("--olmo-core-warmup", type=int, default=None,
+                        help="OLMo-core's side only: another warmup (e.g. the old one-step shift)")
     args = parser.parse_args()
 
     optim = OptimConfig(lr=args.lr, skip_step_window=max(args.window, 1), skip_step_std=6.0 if args.window else None)
     schedule = ScheduleConfig(name="cosine", warmup_steps=args.warmup, final_lr_ratio=0.1)
     changes = {"decay_embedding": args.decay_embedding, "z_loss": not args.no_z_loss}
+    if args.olmo_core_warmup is not None:
+        changes["schedule"] = ScheduleConfig(name="cosine", warmup_steps=args.olmo_core_warmup, final_lr_ratio=0.1)
     with tempfile.TemporaryDirectory() as workdir:
         result = run_against_olmo_core(
             Path(workdir), optim, schedule, model=args.model, steps=args.steps, spike_at=args.spike_at,

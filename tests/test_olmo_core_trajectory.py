@@ -65,3 +65,34 @@ def test_final_weights_match_olmo_core(run):
     print(f"worst final weight difference {differences[worst]:.2e} ({worst})")
     assert set(differences) == set(run.ours["run"].weights)
     assert differences[worst] <= WEIGHTS_RTOL
+
+
+# --- bf16 compute (float32 weights and moments) on both sides: OLMo-core's autocast against our
+# compute_dtype. The two round in different places, so the trajectories drift apart; these
+# bounds hold the drift measured on the same run (loss 3.7e-5, grad norm 4.1e-3, final weights
+# 8.4e-3, the embedding), about 2.5x above it. Too coarse to see a dropped z-loss or a decayed
+# embedding (the float32 test above sees those); the old one-step schedule shift breaks them
+# (scripts/olmo_core_parity.py --bf16 --olmo-core-warmup 5: BF16_SHIFT_FIGURES).
+BF16_LOSS_RTOL = 1e-4
+BF16_GRAD_NORM_RTOL = 1e-2
+BF16_WEIGHTS_RTOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    return run_against_olmo_core(tmp_path_factory.mktemp("olmo_core_bf16"), OPTIM, SCHEDULE, model=SMALL_OLMO3,
+                                 steps=STEPS, spike_at=SPIKE_AT, seq=SEQ, batch=BATCH, compute_dtype="bfloat16")
+
+
+def test_bf16_drift_from_olmo_core_stays_within_the_measured_figure(bf16_run):
+    ours, reference = bf16_run.ours["run"], bf16_run.torch["run"]
+    assert ours.skipped == reference.skipped == [float(i == SPIKE_AT) for i in range(STEPS)]
+    figures = {metric: bf16_run.max_relative("run", metric) for metric in ("losses", "grad_norms")}
+    differences = bf16_run.weight_differences("run")
+    figures["weights"] = max(differences.values())
+    print("bf16 drift from OLMo-core:", {k: f"{v:.2e}" for k, v in figures.items()})
+    assert figures["losses"] <= BF16_LOSS_RTOL
+    assert figures["grad_norms"] <= BF16_GRAD_NORM_RTOL
+    assert figures["weights"] <= BF16_WEIGHTS_RTOL
+    # bf16 really ran on both sides: its drift is far above the float32 noise.
+    assert figures["grad_norms"] > 10 * GRAD_NORM_RTOL or figures["weights"] > 10 * WEIGHTS_RTOL
