@@ -228,7 +228,7 @@ def run_against_olmo_core(
     recipe = OlmoCoreRecipe(optim, schedule, steps, autocast_bf16=compute_dtype == "bfloat16",
                             **(olmo_core_changes or {}))
     record, weights = train_olmo_core(workdir / "init", config, recipe, batches, workdir)
-    reference = Side(record.losses, record.grad_norms, record.lrs, record.skipped, weights)
+    reference = Side(record.losses, record.grad_norms, record.lrs, skipped=record.skipped, weights=weights)
     if ours is None:
         state = new_train_state(model, make_optimizer(optim), optim.skip_step_window)
         _, ours = train_ours(state, schedule, optim.lr, optim, batches)

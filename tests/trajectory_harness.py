@@ -117,7 +117,8 @@ def run_both(
     results = train_torch(
         model_dir, [(_recipe(stage, optim, torch_decays_embedding), batches[stage.name]) for stage in stages]
     )
-    torch_sides = {stage.name: Side(r.losses, r.grad_norms, r.lrs, r.state_dict) for stage, r in zip(stages, results)}
+    torch_sides = {stage.name: Side(r.losses, r.grad_norms, r.lrs, weights=r.state_dict)
+                   for stage, r in zip(stages, results)}
 
     if our_result is None:
         our_sides = {}
