@@ -6,6 +6,7 @@ the OLMo 3 transformer, the train module and the trainer; this file only transla
 settings into OLMo-core's same-named ones and feeds both sides the same weights and batches.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -225,8 +226,8 @@ def run_against_olmo_core(
     model = OLMo(config, key=jax.random.key(0))
     batches = spiked_batches(steps, spike_at, seq, batch)
     save_hf(model, workdir / "init")
-    recipe = OlmoCoreRecipe(optim, schedule, steps, autocast_bf16=compute_dtype == "bfloat16",
-                            **(olmo_core_changes or {}))
+    recipe = dataclasses.replace(OlmoCoreRecipe(optim, schedule, steps, autocast_bf16=compute_dtype == "bfloat16"),
+                                 **(olmo_core_changes or {}))
     record, weights = train_olmo_core(workdir / "init", config, recipe, batches, workdir)
     reference = Side(record.losses, record.grad_norms, record.lrs, skipped=record.skipped, weights=weights)
     if ours is None:

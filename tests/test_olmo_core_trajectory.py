@@ -68,14 +68,17 @@ def test_final_weights_match_olmo_core(run):
 
 
 # --- bf16 compute (float32 weights and moments) on both sides: OLMo-core's autocast against our
-# compute_dtype. The two round in different places, so the trajectories drift apart; these
-# bounds hold the drift measured on the same run (loss 3.7e-5, grad norm 4.1e-3, final weights
-# 8.4e-3, the embedding), about 2.5x above it. Too coarse to see a dropped z-loss or a decayed
-# embedding (the float32 test above sees those); the old one-step schedule shift breaks them
-# (scripts/olmo_core_parity.py --bf16 --olmo-core-warmup 5: BF16_SHIFT_FIGURES).
-BF16_LOSS_RTOL = 1e-4
-BF16_GRAD_NORM_RTOL = 1e-2
-BF16_WEIGHTS_RTOL = 2e-2
+# compute_dtype. The two round in different places, so the trajectories drift apart, and by
+# how much depends on how XLA:CPU splits the work: measured loss 3.7e-5 to 1.3e-4, grad norm
+# 4.1e-3 to 4.5e-3, final weights 8.1e-3 to 8.4e-3 (the embedding), in a script's process and
+# under the suite's 8 fake devices. The bounds hold the worst of those with some room. At this
+# drift a dropped z-loss (loss 1.1e-4) or a decayed embedding (loss 1.1e-4, weights 7.9e-3)
+# is invisible, which is why the float32 test above is the one that pins the recipe; the old
+# one-step schedule shift breaks these bounds (scripts/olmo_core_parity.py --bf16
+# --olmo-core-warmup 5: loss 2.6e-3, grad norm 1.3e-1, weights 3.9e-2).
+BF16_LOSS_RTOL = 4e-4
+BF16_GRAD_NORM_RTOL = 2e-2
+BF16_WEIGHTS_RTOL = 3e-2
 
 
 @pytest.fixture(scope="module")
