@@ -30,15 +30,13 @@ class TorchRecipe:
     clip_grad_norm: float = 1.0
     z_loss_weight: float = 1e-5
 
-    def lr(self, step: int) -> float:
-        """olmo_eqx's documented convention: warmup reaches peak at step `warmup_steps`,
-        then the decay runs from there to the final value at the last step (total_steps - 1)."""
-        if step < self.warmup_steps:
-            return self.peak_lr * (step + 1) / (self.warmup_steps + 1)
+    def lr(self, update: int) -> float:
+        """OLMo-core's schedules (CosWithWarmup / LinearWithWarmup) at update number `update`
+        (1 .. total_steps): its trainer counts steps from 1 and schedules by that count."""
+        if update < self.warmup_steps:
+            return self.peak_lr * update / self.warmup_steps
         final = self.peak_lr * (self.final_ratio if self.schedule == "cosine" else 0.0)
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - 1 - self.warmup_steps))
-        if progress >= 1.0:
-            return final
+        progress = min(1.0, (update - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
         return final + (self.peak_lr - final) * shape
 
@@ -93,7 +91,7 @@ def train_torch(
 def _train_stage(model, optimizer, recipe: TorchRecipe, batches) -> TorchTrajectory:
     out = TorchTrajectory()
     for step, (input_ids, loss_mask) in enumerate(batches):
-        lr = recipe.lr(step)
+        lr = recipe.lr(step + 1)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)

@@ -44,6 +44,7 @@ class Side:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    skipped: list[float] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # HF names, at the end of the stage
 
 
@@ -79,18 +80,18 @@ def _recipe(stage: Stage, optim: OptimConfig, decay_embedding: bool) -> TorchRec
                        clip_grad_norm=optim.clip_grad_norm, z_loss_weight=optim.z_loss_weight)
 
 
-def _train_ours(state: TrainState, stage: Stage, optim: OptimConfig, batches) -> tuple[TrainState, Side]:
-    schedule = make_schedule(ScheduleConfig(name=stage.schedule, warmup_steps=stage.warmup_steps), stage.peak_lr,
-                             stage.steps)
+def train_ours(state: TrainState, schedule: ScheduleConfig, peak_lr: float, optim: OptimConfig, batches
+               ) -> tuple[TrainState, Side]:
+    """One stage of olmo_eqx's train step over `batches`; the schedule spans them."""
     # The schedule counts from the stage's first step, as the reference's does.
     state = state.replace(step=jnp.zeros((), jnp.int32))
-    train_step = make_train_step(optim, schedule)
+    train_step = make_train_step(optim, make_schedule(schedule, peak_lr, len(batches)))
     side = Side()
     for input_ids, loss_mask in batches:
         state, metrics = train_step(state, {"input_ids": jnp.asarray(input_ids), "loss_mask": jnp.asarray(loss_mask)})
-        side.losses.append(float(metrics["loss"]))
-        side.grad_norms.append(float(metrics["grad_norm"]))
-        side.lrs.append(float(metrics["lr"]))
+        for name, values in (("loss", side.losses), ("grad_norm", side.grad_norms), ("lr", side.lrs),
+                             ("skipped", side.skipped)):
+            values.append(float(metrics[name]))
     side.weights = {name: np.asarray(w) for name, w in hf_state_dict(state.model).items()}
     return state, side
 
@@ -116,13 +117,15 @@ def run_both(
     results = train_torch(
         model_dir, [(_recipe(stage, optim, torch_decays_embedding), batches[stage.name]) for stage in stages]
     )
-    torch_sides = {stage.name: Side(r.losses, r.grad_norms, r.lrs, r.state_dict) for stage, r in zip(stages, results)}
+    torch_sides = {stage.name: Side(r.losses, r.grad_norms, r.lrs, weights=r.state_dict)
+                   for stage, r in zip(stages, results)}
 
     if our_result is None:
         our_sides = {}
         state = new_train_state(model, make_optimizer(optim), optim.skip_step_window)
         for stage in stages:
-            state, our_sides[stage.name] = _train_ours(state, stage, optim, batches[stage.name])
+            schedule = ScheduleConfig(name=stage.schedule, warmup_steps=stage.warmup_steps)
+            state, our_sides[stage.name] = train_ours(state, schedule, stage.peak_lr, optim, batches[stage.name])
     else:
         our_sides = our_result
     return Comparison(our_sides, torch_sides)

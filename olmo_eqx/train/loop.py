@@ -267,7 +267,7 @@ class _Loop:
         self.last_saved = start_step if start_step else None
         self.guard = DivergenceGuard(
             history=int(jax.device_get(state.history_count)),
-            min_history=config.optim.skip_step_min_history if config.optim.skip_step_std else None,
+            min_history=config.optim.skip_history_needed if config.optim.skip_step_std else None,
             max_consecutive_skips=trainer.max_consecutive_skips,
         )
         self.throughput = Throughput(data.global_batch_size * data.sequence_length)

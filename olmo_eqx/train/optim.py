@@ -2,7 +2,8 @@
 
 The transformation built here produces the *learning-rate-free* AdamW direction
 (adam update + weight_decay * param); the train step scales it by -lr(step), with lr taken
-from the train state's own step counter so that skipped steps still advance the schedule.
+from the train state's own step counter (update number state.step + 1, OLMo-core's count) so that
+skipped steps still advance the schedule.
 """
 
 from dataclasses import dataclass
@@ -28,12 +29,20 @@ class OptimConfig:
     clip_grad_norm: Optional[float] = 1.0  # None or 0 disables clipping
     z_loss_weight: float = 1e-5
     # Skip an update whose loss or grad norm exceeds mean + skip_step_std * std of the last
-    # skip_step_window steps; skip_step_std 0 or None disables.
+    # skip_step_window steps, as OLMo-core's SkipStepAdamW (rolling_interval_length,
+    # sigma_factor); skip_step_std 0 or None disables. The rule: olmo_eqx/train/step.py.
     skip_step_window: int = 128
     skip_step_std: Optional[float] = 6.0
-    # Statistics need this many past steps before any step can be skipped.
-    skip_step_min_history: int = 20
+    # Past steps the statistics need before any step can be skipped; None: OLMo-core's
+    # max(2, window // 2) - 1 (63 of a 128-step window).
+    skip_step_min_history: Optional[int] = None
 
+    @property
+    def skip_history_needed(self) -> int:
+        """Past steps in the window before the skip-step rule can act (at least 2: a std needs two)."""
+        if self.skip_step_min_history is not None:
+            return max(2, self.skip_step_min_history)
+        return max(2, max(2, self.skip_step_window // 2) - 1)
 
 def _to_float32(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from ..batch import TokenBatch, as_token_batch
 from ..models.olmo3 import OLMo
@@ -58,13 +58,60 @@ def _split_micro_batches(x: Array, micro_batches: int, mesh: Optional[Mesh], rul
 def _skip_decision(
     value: Float[Array, ""], history: Float[Array, " window"], count: Int[Array, ""], std_factor: float, min_history: int
 ) -> jax.Array:
-    """True when `value` > mean + std_factor * std (Bessel) of the filled history slots."""
+    """True when `value` - mean > std_factor * std (Bessel) of the filled history slots.
+
+    OLMo-core's test (SkipStepOptimizer.get_step_factor), written the same way so that the
+    float32 comparison rounds alike.
+    """
     window = history.shape[0]
     n = jnp.minimum(count, window).astype(jnp.float32)
     valid = (jnp.arange(window) < n).astype(jnp.float32)
     mean = jnp.sum(history * valid) / jnp.maximum(n, 1.0)
     var = jnp.sum(jnp.square(history - mean) * valid) / jnp.maximum(n - 1.0, 1.0)
-    return (n >= min_history) & (value > mean + std_factor * jnp.sqrt(var))
+    return (n >= min_history) & (value - mean > std_factor * jnp.sqrt(var))
+
+
+def skip_step(
+    loss: Float[Array, ""],
+    grad_norm: Float[Array, ""],
+    loss_history: Float[Array, " window"],
+    grad_norm_history: Float[Array, " window"],
+    history_count: Int[Array, ""],
+    config: OptimConfig,
+) -> tuple[Bool[Array, ""], dict[str, Array]]:
+    """(skip this update?, the new statistics as TrainState fields): OLMo-core's SkipStepAdamW rule.
+
+    The statistics are the train state's ring buffers (`TrainState.loss_history` ...).
+
+    Skip when the loss (cross-entropy, no z-loss) or the grad norm before clipping exceeds
+    mean + skip_step_std * std (Bessel) of the previous `skip_step_window` steps, once the
+    window holds `config.skip_history_needed` of them. Every finite step enters the window,
+    skipped or not. Only the grad norm's part differs when clipping is off: OLMo-core's train
+    module records the norm only when it clips, so then the loss alone decides, here too.
+
+    Where it differs, on purpose: a non-finite loss or grad norm is always skipped and kept out
+    of the window (OLMo-core records it, and a NaN mean then skips every step until it leaves
+    the window; before the window is full enough it applies the non-finite update); the window
+    is part of the train state, so a resumed run keeps it (OLMo-core's lives outside its
+    optimizer's state dict and starts empty after a restart).
+    """
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    skipped = ~finite
+    if config.skip_step_std:
+        watched = [(loss, loss_history)]
+        if config.clip_grad_norm:
+            watched.append((grad_norm, grad_norm_history))
+        for value, history in watched:
+            skipped |= _skip_decision(value, history, history_count, config.skip_step_std, config.skip_history_needed)
+    else:
+        skipped = jnp.zeros((), bool)
+    slot = history_count % loss_history.shape[0]
+    record = lambda h, v: jnp.where(finite, h.at[slot].set(v), h)  # noqa: E731
+    return skipped, {
+        "loss_history": record(loss_history, loss),
+        "grad_norm_history": record(grad_norm_history, grad_norm),
+        "history_count": history_count + finite.astype(jnp.int32),
+    }
 
 
 def model_loss_sums(model: OLMo, batch: TokenBatch, constrain) -> LossSums:
@@ -102,7 +149,6 @@ def make_train_step(
         raise ValueError(f"micro_batches={micro_batches} must be >= 1")
     optimizer = make_optimizer(optim_config)
     z_weight = float(optim_config.z_loss_weight)
-    skip_std = optim_config.skip_step_std
     constrain = activation_sharding(mesh, rules)
 
     def step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
@@ -140,34 +186,24 @@ def make_train_step(
 
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
-        lr = schedule(state.step)
+        # The update that takes the state to step s + 1 is update number s + 1: OLMo-core's
+        # trainer counts steps from 1 and schedules by that count (train/schedules.py).
+        lr = schedule(state.step + 1)
         new_params = apply_updates(params, updates, lr)
 
         loss = sums.ce / jnp.maximum(count, 1.0)
-        if skip_std:
-            skipped = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
-            for value, history in ((loss, state.loss_history), (grad_norm, state.grad_norm_history)):
-                skipped |= _skip_decision(
-                    value, history, state.history_count, skip_std, optim_config.skip_step_min_history
-                )
-        else:
-            skipped = jnp.zeros((), bool)
+        skipped, statistics = skip_step(
+            loss, grad_norm, state.loss_history, state.grad_norm_history, state.history_count, optim_config
+        )
         keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)  # noqa: E731
         new_params = keep(params, new_params)
         new_opt_state = keep(state.opt_state, new_opt_state)
 
-        # Record this step in the statistics (skipped spikes too, as OLMo-core does), except
-        # non-finite values, which would poison the window for good.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        slot = state.history_count % state.loss_history.shape[0]
-        record = lambda h, v: jnp.where(finite, h.at[slot].set(v), h)  # noqa: E731
         new_state = TrainState(
             model=eqx.combine(new_params, static),
             opt_state=new_opt_state,
             step=state.step + 1,
-            loss_history=record(state.loss_history, loss),
-            grad_norm_history=record(state.grad_norm_history, grad_norm),
-            history_count=state.history_count + finite.astype(jnp.int32),
+            **statistics,
         )
         if mesh is not None:
             new_state = eqx.filter_shard(new_state, train_state_shardings(new_state, mesh, rules))
