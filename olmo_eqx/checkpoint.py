@@ -8,6 +8,8 @@ tmp-*` and renames it on commit, so a run killed mid-save leaves only an ignored
     <dir>/<step>/loader/        the data position (`LoaderState.to_dict()`), JSON
     <dir>/<step>/config/        the run's resolved config, JSON
     <dir>/<step>/model_config/  the `ModelConfig`, JSON (checked on every restore)
+    <dir>/<step>/health/        what the run knew of its health when it saved, JSON
+                                (`{"last_good": step}`, `train/divergence.py`)
 
 Restoring onto another mesh or device count (8 -> 4 -> 1) goes through an abstract target
 whose leaves carry the *new* shardings: `sharded_abstract_train_state(...)`.
@@ -16,7 +18,8 @@ Every step also holds `digests.json` (size and SHA-256 of each file, written bef
 commit; `checkpoint_digests.py`); restores verify it and raise `CheckpointCorruptError`
 (step, file, reason) when a file differs. Retention is ours, not Orbax's: it counts only
 steps with a manifest, so a newer damaged or unverifiable step never pushes out the last good
-one. A step directory that is in the way of a save (no commit marker, or failed verification)
+one, and it never removes the `protected` step (the last one known good while a run is in
+trouble; `checkpoint_retention.py`). A step directory that is in the way of a save (no commit marker, or failed verification)
 is moved into `<dir>/set_aside/`, never deleted.
 """
 
@@ -35,6 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
+from .checkpoint_retention import steps_to_delete
 from .models.config import ModelConfig, YarnConfig
 from .errors import RunError
 from .train.state import TrainState
@@ -50,7 +54,9 @@ CONTINUABLE_FIELDS = RUNTIME_FIELDS + ("yarn", "max_sequence_length")
 # Written by Orbax into a step directory as the last act of a save (all storage backends).
 COMMIT_MARKER = "commit_success.txt"
 
-_ITEMS = ("model", "train", "loader", "config", "model_config")
+_ITEMS = ("model", "train", "loader", "config", "model_config", "health")
+# Items a step saved by an older olmo_eqx may lack.
+_OPTIONAL_ITEMS = ("health",)
 
 # Where damaged or half-written step directories go instead of being deleted.
 SET_ASIDE_DIR = "set_aside"
@@ -98,6 +104,7 @@ class Restored(NamedTuple):
     loader_state: Optional[dict]  # rebuild with `LoaderState.from_dict`
     config: Optional[dict]
     model_config: ModelConfig
+    health: Optional[dict] = None  # None: saved by an olmo_eqx that recorded none
 
 
 def model_config_to_dict(config: ModelConfig) -> dict:
@@ -194,6 +201,8 @@ class Checkpointer:
         self._saving: Optional[int] = None  # the step of the save in flight
         self._failed_step: Optional[int] = None  # a save that failed: close() sweeps its leftovers again
         self._verified: set[int] = set()
+        # Steps retention must keep whatever keep_last says (`protect`).
+        self.protected: frozenset[int] = frozenset()
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
                 # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
@@ -253,12 +262,14 @@ class Checkpointer:
         *,
         loader_state: Any = None,
         config: Any = None,
+        health: Optional[dict] = None,
         force: bool = True,
     ) -> bool:
         """Start saving `state` with its data position and run config as checkpoint `step`.
 
         loader_state: a `LoaderState` (anything with `to_dict()`), dataclass or dict.
-        config: the resolved run config as a dict (or dataclass). Returns whether a save began
+        config: the resolved run config as a dict (or dataclass). health: what the run knows of
+        its health (`{"last_good": step}`), read back by a resume. Returns whether a save began
         (False when a complete checkpoint of this step already exists, e.g. right after a resume).
         """
         if self.read_only:
@@ -288,6 +299,7 @@ class Checkpointer:
             loader=ocp.args.JsonSave(_jsonable(loader_state)),
             config=ocp.args.JsonSave(_jsonable(config)),
             model_config=ocp.args.JsonSave(model_config_to_dict(state.model.config)),
+            health=ocp.args.JsonSave(health or {}),
         )
         self._saving = step
         try:
@@ -344,22 +356,22 @@ class Checkpointer:
         self._manager.reload()
         return target
 
+    def protect(self, *steps: Optional[int]) -> None:
+        """Retention keeps `steps` (None entries ignored) from now on, in place of those
+        protected before."""
+        self.protected = frozenset(int(s) for s in steps if s is not None)
+
     def _prune(self) -> None:
-        """Keep the newest `keep_last` steps *with a manifest* (and multiples of `keep_every`);
-        delete older ones. Unverifiable steps never count towards keep_last."""
+        """Apply retention (`checkpoint_retention.steps_to_delete`) on process 0."""
         if self.read_only or self.keep_last is None or self._local is None or jax.process_index() != 0:
             return
         steps = self.all_steps()
-        sealed = [s for s in steps if has_digests(self._local / str(s))]
-        if len(sealed) <= self.keep_last:
-            return
-        oldest_kept = sealed[-self.keep_last]
-        for step in steps:
-            if step < oldest_kept and not (self.keep_every and step % self.keep_every == 0):
-                # Renamed first, so a kill mid-delete never leaves a step that looks complete.
-                doomed = self._local / f".deleting-{step}"
-                (self._local / str(step)).rename(doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
+        sealed = {s for s in steps if has_digests(self._local / str(s))}
+        for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, self.protected):
+            # Renamed first, so a kill mid-delete never leaves a step that looks complete.
+            doomed = self._local / f".deleting-{step}"
+            (self._local / str(step)).rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
         self._manager.reload()
 
     # -- restore -----------------------------------------------------------------------------
@@ -410,6 +422,7 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         check_model_config(self.stored_model_config(step), target.model.config, f"checkpoint {self.directory / str(step)}")
+        optional = {name: ocp.args.JsonRestore() for name in _OPTIONAL_ITEMS if (self.directory / str(step) / name).exists()}
         data = self._read(
             step,
             model=ocp.args.StandardRestore(target.model),
@@ -417,6 +430,7 @@ class Checkpointer:
             loader=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore(),
             model_config=ocp.args.JsonRestore(),
+            **optional,
         )
         train = data["train"]
         state = TrainState(model=data["model"], **train)
@@ -426,6 +440,7 @@ class Checkpointer:
             loader_state=data["loader"] or None,
             config=data["config"] or None,
             model_config=model_config_from_dict(data["model_config"]),
+            health=data["health"] if "health" in optional else None,
         )
 
     def restore_model(self, step: Optional[int] = None, *, target: Any):

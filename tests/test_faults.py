@@ -107,6 +107,47 @@ def test_divergence_guard_counts_consecutive_skips_and_early_nan():
     assert "skip-step rule disabled" in disabled.observe(51, 3.0, float("nan"), skipped=False)
 
 
+def test_a_diverging_run_never_costs_the_last_good_checkpoint(tmp_path, env):
+    """lr 1e30 from a healthy step 6: step 7's update leaves finite but ruined weights, every
+    later step is skipped and saved (checkpoint.every=1); retention (keep_last=2) must still
+    keep step 6, the stop names it, and a rerun at the normal rate resumes there."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    common = ["trainer.steps=20", "trainer.eval_every=0", "optim.skip_step_min_history=2"]
+    assert run(run_dir, *common, "trainer.stop_at=6", env=env).returncode == 0
+    bad = run(run_dir, *common, "optim.lr=1e30", "checkpoint.every=1", env=env)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "training diverged: 6 consecutive steps skipped up to step 13" in bad.stderr
+    assert f"the last good checkpoint is {checkpoints / '6'} (step 6); a rerun resumes from it" in bad.stderr
+    assert steps_in(checkpoints) == [6]
+    aside = sorted(int(p.name.split("-")[0]) for p in (checkpoints / "set_aside").iterdir())
+    assert aside == [11, 12]  # the newest two saved during the streak: kept aside, not deleted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["diverged"]["last_good_step"] == 6
+    again = run(run_dir, *common, "trainer.stop_at=8", env=env)
+    assert again.returncode == 0 and f"Resuming from {checkpoints / '6'}" in again.stdout, again.stderr
+
+
+def test_save_health_confirms_a_save_by_the_healthy_step_after_it():
+    from olmo_eqx.checkpoint_retention import steps_to_delete
+    from olmo_eqx.train.divergence import SaveHealth
+
+    health = SaveHealth.resumed(30, {"last_good": 20})
+    assert (health.last_good, health.unconfirmed) == (20, [30])
+    health.observe(31, 3.0, 1.0, skipped=False)  # measured on step 30's weights: 30 is good
+    health.saved(31)
+    for step in (32, 33):
+        health.observe(step, float("nan"), 1.0, skipped=True)
+        health.saved(step)
+    assert (health.last_good, health.unconfirmed) == (30, [31, 32, 33])
+    assert health.saved_record() == {"last_good": 30}
+    # Retention keeps the newest two and the protected good step.
+    assert steps_to_delete([20, 30, 31, 32, 33], {20, 30, 31, 32, 33}, 2, protected={30}) == [20, 31]
+    # A skipped spike leaves the weights as saved: the next healthy step confirms them all.
+    health.observe(34, 3.1, 1.0, skipped=False)
+    assert (health.last_good, health.unconfirmed) == (33, [])
+    assert SaveHealth.resumed(7, None).last_good == 7  # saved before health was recorded
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Token ids out of range
 
@@ -252,3 +293,49 @@ def test_junk_step_dir_as_checkpoint_load_is_reported_clearly(tmp_path, env):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint {step} (step 7) is unusable: model_config: not a readable olmo_eqx checkpoint")
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Append-only files survive a kill
+
+
+def test_a_partial_metrics_line_is_set_aside_and_the_resume_appends_cleanly(tmp_path, env):
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.stop_at=6", env=env).returncode == 0
+    fragment = '{"step": 7, "loss": 8.1, "l'  # what a SIGKILL mid-write leaves: no newline
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(fragment)
+    result = run(run_dir, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "its last line was cut off" in result.stderr and (run_dir / "loss.png").exists()
+    [aside] = run_dir.glob("metrics.jsonl.partial-*")
+    assert aside.read_text() == fragment  # kept, not deleted
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["step"] for line in lines)  # every line parses
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, 13))
+
+
+def test_readers_skip_a_malformed_line_and_a_sweep_without_its_table_fails(tmp_path):
+    from omegaconf import OmegaConf
+
+    from olmo_eqx.plots import read_metrics
+    from olmo_eqx.sweep import SweepSummary
+
+    job = tmp_path / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.001\n")
+    (job / "summary.json").write_text(json.dumps({"train_loss_mean_last_n": 3.0, "final_heldout_loss": 3.5}))
+    (job / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n{"step": 2, "lo\n{"step": 2, "loss": 3.0}\n')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:2: skipped a malformed line"):
+        assert [r["step"] for r in read_metrics(job / "metrics.jsonl")] == [1, 2]
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.warns(UserWarning, match="malformed"):
+        SweepSummary().on_multirun_end(config)  # the table is built despite the bad line
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())[0]["status"] == "ok"
+    assert (tmp_path / "sweep.png").exists()
+    # A sweep dir where the table cannot be written: the sweep exits non-zero.
+    (tmp_path / "sweep_summary.json").unlink()
+    (tmp_path / "sweep_summary.json").mkdir()
+    with pytest.raises(SystemExit) as exit_info, pytest.warns(UserWarning):
+        SweepSummary().on_multirun_end(config)
+    assert exit_info.value.code == 1
