@@ -70,11 +70,9 @@ def stored_model_config(location, **fields):
     config.json maps to), with `fields` replaced: settings that don't change the stored weights
     (runtime fields; for HF also `param_dtype`, the dtype its weights are read into)."""
     if location.kind == "hf":
-        import json
+        from olmo_eqx.hf import model_config_from_hf, read_hf_config
 
-        from olmo_eqx.hf import model_config_from_hf
-
-        return model_config_from_hf(json.loads((location.directory / "config.json").read_text()), **fields)
+        return model_config_from_hf(read_hf_config(location.directory), **fields)
     with _reader(location) as checkpointer:
         return checkpointer.stored_model_config(location.step).replace(**fields)
 

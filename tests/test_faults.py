@@ -339,3 +339,102 @@ def test_readers_skip_a_malformed_line_and_a_sweep_without_its_table_fails(tmp_p
     with pytest.raises(SystemExit) as exit_info, pytest.warns(UserWarning):
         SweepSummary().on_multirun_end(config)
     assert exit_info.value.code == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Foreign or damaged HF weights: one line in every stage that loads weights, no run dir left
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict:
+    import struct
+
+    from safetensors.numpy import save_file
+
+    from olmo_eqx.hf import hf_config_dict
+    from olmo_eqx.models.zoo import get_model_config
+
+    root = tmp_path_factory.mktemp("hf")
+    llama = root / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128, "hidden_size": 16}))
+    save_file({"model.embed_tokens.weight": np.zeros((128, 16), np.float32)}, str(llama / "model.safetensors"))
+    header = root / "header"
+    header.mkdir()
+    config = hf_config_dict(get_model_config("olmo3_tiny"), dtype="float32")
+    (header / "config.json").write_text(json.dumps(config))
+    # A header length of 2^60 bytes: what a corrupted or hostile file claims.
+    (header / "model.safetensors").write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    return {"llama": llama, "header": header}
+
+
+@pytest.mark.parametrize(
+    "stage, fault, message",
+    [
+        ("eval", "llama", "model_type='llama'"),
+        ("compare", "header", "model.safetensors is not a readable safetensors file"),
+        ("generate", "header", "model.safetensors is not a readable safetensors file"),
+        ("anneal", "llama", "model_type='llama'"),
+    ],
+)
+def test_foreign_or_damaged_hf_weights_are_one_line_and_leave_no_run_dir(tmp_path, env, hf_dirs, stage, fault, message):
+    run_dir = tmp_path / "out" / "run"
+    extra = [f"stage.against={hf_dirs[fault]}"] if stage == "compare" else []
+    result = olmo_eqx(f"+stage={stage}", "model=olmo3_nano", f"checkpoint.load={hf_dirs[fault]}", *extra,
+                      f"hydra.run.dir={run_dir}", env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr.strip().splitlines()[-1] and result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert not (tmp_path / "out").exists()  # the run dir Hydra made for it is gone
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Small ones: where checkpoints live, what the summary names, the exit status after "done"
+
+
+def test_a_checkpoint_dir_is_recorded_absolute_and_belongs_to_one_run_dir(tmp_path, env):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    run_a, run_b, checkpoints = tmp_path / "a", tmp_path / "b", here / "ckpt"
+    first = olmo_eqx(*TINY, "trainer.stop_at=6", "checkpoint.dir=ckpt", f"hydra.run.dir={run_a}", env=env, cwd=here)
+    assert first.returncode == 0, first.stderr
+    assert json.loads((run_a / "config.json").read_text())["checkpoint"]["dir"] == str(checkpoints)
+    assert steps_in(checkpoints) == [6]
+    moved = olmo_eqx(*TINY, "checkpoint.dir=ckpt", f"hydra.run.dir={run_a}", env=env, cwd=elsewhere)
+    assert moved.returncode == 2, moved.stderr
+    assert f"checkpoint.dir=ckpt is relative: from {elsewhere} it names {elsewhere / 'ckpt'}" in moved.stderr
+    assert f"Give checkpoint.dir={checkpoints} (absolute)" in moved.stderr
+    other = olmo_eqx(*TINY, f"checkpoint.dir={checkpoints}", f"hydra.run.dir={run_b}", env=env)
+    assert other.returncode == 2, other.stderr
+    assert f"checkpoint.dir={checkpoints} belongs to the run dir {run_a}" in other.stderr
+    assert steps_in(checkpoints) == [6] and not (run_b / "metrics.jsonl").exists()
+
+
+def test_a_resume_past_stop_at_names_the_checkpoint_that_exists(tmp_path, env):
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.eval_every=0", env=env).returncode == 0
+    again = run(run_dir, "trainer.eval_every=0", "trainer.stop_at=6", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "Nothing to train: the checkpoint is at step 12, the run ends at 6" in again.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint"] == str(run_dir / "checkpoints" / "12") and Path(summary["checkpoint"]).is_dir()
+    assert steps_in(run_dir / "checkpoints") == [6, 12]
+
+
+def test_a_signal_after_done_leaves_exit_status_zero(tmp_path, env):
+    import signal
+
+    command = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=2", "trainer.eval_every=0",
+               f"hydra.run.dir={tmp_path / 'run'}"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **env})
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith("stopped at step 2"):
+            process.send_signal(signal.SIGTERM)  # the run has said it is done; teardown is left
+            break
+    seen.extend(process.stdout)
+    assert process.wait(timeout=120) == 0, "".join(seen)
+    assert any("SIGTERM after the run completed: ignored" in line for line in seen), "".join(seen)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["end_step"] == 2

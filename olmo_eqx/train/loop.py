@@ -24,6 +24,7 @@ signals from `signals.py`, tokens/s from `throughput.py`, the optional trace fro
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -40,6 +41,7 @@ from jax.sharding import Mesh
 from olmo_eqx import huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
+from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
 from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
@@ -50,7 +52,7 @@ from olmo_eqx.errors import RunError
 from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.olmo3 import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
-from olmo_eqx.run_dir import RunDir
+from olmo_eqx.run_dir import CONFIG_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
 from olmo_eqx.sinks import METRICS_FILE, check_loggers
@@ -59,7 +61,7 @@ from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.train.signals import any_process, stop_on_signals
+from olmo_eqx.train.signals import any_process, ignore_signals_after_completion, stop_on_signals
 from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput
@@ -99,10 +101,26 @@ def random_init(config: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
 
 
 def _checkpoint_dir(config: Config, run_dir: Path) -> str:
+    """The run's checkpoint dir, absolute. A relative `checkpoint.dir` resolves against the
+    current directory once and is recorded absolute in config.json; rerun from elsewhere it
+    would name another directory and silently start over, so that is refused."""
     directory = config.checkpoint.dir
     if directory is None:
         return str(run_dir / "checkpoints")
-    return directory if "://" in directory else str(Path(directory).expanduser().resolve())
+    if "://" in directory:
+        return directory
+    resolved = str(Path(directory).expanduser().resolve())
+    if not Path(directory).expanduser().is_absolute():
+        try:
+            recorded = json.loads((run_dir / CONFIG_FILE).read_text())["checkpoint"]["dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+        if recorded and recorded != resolved:
+            raise TrainError(
+                f"checkpoint.dir={directory} is relative: from {Path.cwd()} it names {resolved}, but this run dir's "
+                f"checkpoints are in {recorded}. Give checkpoint.dir={recorded} (absolute) to continue the run"
+            )
+    return resolved
 
 
 def _restore_or_init(
@@ -204,8 +222,18 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
         run_dir.mkdir(parents=True, exist_ok=True)
     with _one_writer(run_dir, main_process):
         checkpoint_dir = _checkpoint_dir(config, run_dir)
+        own_dir = config.checkpoint.dir is not None and checkpoint_dir != str(run_dir / "checkpoints")
+        if config.checkpoint.dir is not None:
+            # Recorded absolute (config.json, each checkpoint), so a rerun from anywhere finds it.
+            config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, dir=checkpoint_dir))
         if main_process:
             check_storage(checkpoint_dir, abstract_train_state(config.model, config.optim))
+            if own_dir and "://" not in checkpoint_dir:
+                try:
+                    if note := claim_checkpoint_dir(Path(checkpoint_dir), run_dir):
+                        notes = (*notes, note)
+                except CheckpointDirOwnedError as e:
+                    raise TrainError(str(e)) from e
         checkpointer = Checkpointer(
             checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
         )
@@ -267,7 +295,9 @@ class _Loop:
         self.model_flops = float(flops_per_token(config.model, data.sequence_length))
         self.peak = peak_flops_per_device()
         self.n_params = count_params(config.model)
-        self.end_step = trainer.stop_at or trainer.steps
+        # A checkpoint already past the end (trainer.stop_at below it) is where the run stays:
+        # nothing is trained, and the summary names that checkpoint.
+        self.end_step = max(trainer.stop_at or trainer.steps, start_step)
         self.config_dict = config_to_dict(config)
         self.last_saved = start_step if start_step else None
         self.guard = DivergenceGuard(
@@ -479,7 +509,8 @@ class _Loop:
             finally:
                 profiler.stop()  # a run stopped inside the profiled range still leaves its trace
         if self.start_step >= self.end_step:
-            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at {self.end_step}")
+            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
+                           f"{trainer.stop_at or trainer.steps}")
             if self.eval_batches:
                 self.run_eval(self.start_step)
         self.save(self.end_step)
@@ -488,6 +519,7 @@ class _Loop:
         end_step = self.end_step
         summary = self.summary(end_step, interrupted=interrupted)
         summary_path = self.out.write_summary(summary)
+        ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
         if end_step == trainer.steps:
             status = "done"
