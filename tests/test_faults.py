@@ -438,3 +438,58 @@ def test_a_signal_after_done_leaves_exit_status_zero(tmp_path, env):
     assert process.wait(timeout=120) == 0, "".join(seen)
     assert any("SIGTERM after the run completed: ignored" in line for line in seen), "".join(seen)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["end_step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Data identity by content: a resume on changed data is refused naming the file
+
+
+def test_changed_data_is_refused_naming_the_file_and_what_changed(tmp_path):
+    from olmo_eqx.data.instances import InstanceDataset
+    from olmo_eqx.data.loader import DataLoader
+    from olmo_eqx.data.mixes import source_from_paths
+    from olmo_eqx.data.sampler import LoaderState
+    from olmo_eqx.data.token_files import DataFileError
+
+    rng = np.random.default_rng(0)
+    files = [write_token_file(tmp_path / f"part{i}.npy", rng.integers(0, NANO_VOCAB, 64 * 300), NANO_VOCAB)
+             for i in range(3)]
+
+    def resume(state):
+        dataset = InstanceDataset([source_from_paths("web", tmp_path / "part*.npy")], 64, NANO_VOCAB)
+        return DataLoader(dataset, 8, seed=0, state=LoaderState.from_dict(state.to_dict()))
+
+    saved = DataLoader(InstanceDataset([source_from_paths("web", tmp_path / "part*.npy")], 64, NANO_VOCAB), 8, 0).state
+    assert resume(saved).step == 0  # unchanged data resumes
+    original = [f.read_bytes() for f in files]
+    # One token in the middle rewritten in place: same size, same path.
+    tokens = np.fromfile(files[1], dtype=np.uint16)
+    tokens[len(tokens) // 2 - 1000 : len(tokens) // 2 + 1000] = 7
+    tokens.tofile(files[1])
+    with pytest.raises(DataFileError, match=r"token file .*part1\.npy \(source 'web'\): its contents changed at the same size"):
+        resume(saved)
+    # Two same-size files swapped.
+    files[1].write_bytes(original[2]), files[2].write_bytes(original[1])
+    with pytest.raises(DataFileError, match=r"part1\.npy .* it now holds what .*part2\.npy held \(files swapped\?\)"):
+        resume(saved)
+    # Truncated, and gone.
+    files[1].write_bytes(original[1][: len(original[1]) // 2]), files[2].write_bytes(original[2])
+    with pytest.raises(DataFileError, match=r"part1\.npy \(source 'web'\) was truncated: 9600 tokens, the checkpoint's had 19200"):
+        resume(saved)
+    files[1].unlink()
+    with pytest.raises(DataFileError, match=r"part1\.npy \(source 'web'\) is gone from the dataset"):
+        resume(saved)
+
+
+def test_a_same_size_rewrite_between_stop_and_resume_is_refused(tmp_path, env):
+    rng = np.random.default_rng(1)
+    files = [write_token_file(tmp_path / f"part{i}.npy", rng.integers(0, NANO_VOCAB, 64 * 64), NANO_VOCAB) for i in range(2)]
+    data = [f"data.source={tmp_path}/part*.npy", "trainer.eval_every=0"]
+    assert run(tmp_path / "run", *data, "trainer.stop_at=6", env=env).returncode == 0
+    swapped = [f.read_bytes() for f in files][::-1]
+    for f, content in zip(files, swapped):
+        f.write_bytes(content)
+    result = run(tmp_path / "run", *data, env=env)
+    assert result.returncode == 2, result.stderr
+    named = "/".join((tmp_path / "part0.npy").parts[-3:])  # the tail a checkpoint records, not the root
+    assert f"token file {named} (source" in result.stderr and "contents changed at the same size" in result.stderr
