@@ -40,6 +40,7 @@ from etils import epath
 from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
 from .checkpoint_retention import steps_to_delete
 from .models.config import ModelConfig, YarnConfig
+from .processes import agree
 from .errors import RunError
 from .train.state import TrainState
 
@@ -225,7 +226,15 @@ class Checkpointer:
     # -- queries -----------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first (half-written ones never appear)."""
+        """Steps of the complete checkpoints, oldest first (half-written ones never appear).
+
+        In a multi-process run process 0 lists and every process gets its answer (`agree`): a
+        process listing the directory while process 0's retention deletes in it used to crash.
+        Every process must call it at the same points (it is a collective)."""
+        return agree("checkpoint_steps", self._list_steps)
+
+    def _list_steps(self) -> list[int]:
+        """This process's own listing (process 0's, or a reader's)."""
         self._manager.reload()
         # Orbax commits by renaming its tmp dir on POSIX and lists any step-named dir; also
         # demand the commit marker it writes last, so a step dir copied or synced without
@@ -365,7 +374,7 @@ class Checkpointer:
         """Apply retention (`checkpoint_retention.steps_to_delete`) on process 0."""
         if self.read_only or self.keep_last is None or self._local is None or jax.process_index() != 0:
             return
-        steps = self.all_steps()
+        steps = self._list_steps()
         sealed = {s for s in steps if has_digests(self._local / str(s))}
         for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, self.protected):
             # Renamed first, so a kill mid-delete never leaves a step that looks complete.
@@ -409,8 +418,8 @@ class Checkpointer:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        elif step not in self.all_steps():
-            raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+        elif step not in (steps := self.all_steps()):
+            raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; have {steps}")
         return int(step)
 
     def restore(self, step: Optional[int] = None, *, target: TrainState) -> Restored:

@@ -493,3 +493,57 @@ def test_a_same_size_rewrite_between_stop_and_resume_is_refused(tmp_path, env):
     assert result.returncode == 2, result.stderr
     named = "/".join((tmp_path / "part0.npy").parts[-3:])  # the tail a checkpoint records, not the root
     assert f"token file {named} (source" in result.stderr and "contents changed at the same size" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. Several processes: one listing, and one failure stops them all
+
+
+def test_two_processes_saving_every_step_with_keep_last_1_never_race(tmp_path):
+    """Process 0's retention deleted a step while process 1 listed the directory (crash, then
+    a 5-minute barrier hang); the listing is now process 0's, agreed by both."""
+    from localcluster import launch_local_cluster
+
+    args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=6", "trainer.eval_every=0",
+            "checkpoint.every=1", "checkpoint.keep_last=1", f"hydra.run.dir={tmp_path}"]
+    processes = launch_local_cluster(args, merge_stderr=True)
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert steps_in(tmp_path / "checkpoints") == [5, 6]  # keep_last=1, and 5 until 6 is confirmed
+
+
+def test_a_failure_in_one_process_stops_both_within_seconds(tmp_path):
+    """A token id out of range in rows only process 1 reads: process 1 stops with its message,
+    and process 0, waiting in the step's collective, stops within seconds saying why."""
+    import time
+
+    from localcluster import launch_local_cluster
+    from olmo_eqx.data.instances import InstanceDataset
+    from olmo_eqx.data.mixes import source_from_paths
+    from olmo_eqx.config import DataConfig
+    from olmo_eqx.data.sampler import StepSampler
+
+    rng = np.random.default_rng(0)
+    files = [write_token_file(tmp_path / f"part{i}.npy", rng.integers(0, NANO_VOCAB, 64 * 24), NANO_VOCAB) for i in range(2)]
+    dataset = InstanceDataset([source_from_paths("data", tmp_path / "part*.npy")], 64, NANO_VOCAB)
+    sampler = StepSampler(len(dataset), 8, seed=DataConfig().seed)
+    process_0 = set(np.concatenate([sampler.global_batch(k)[:4] for k in range(3)]).tolist())
+    bad = next(i for i in sampler.global_batch(2)[4:].tolist() if i not in process_0)
+    file_index, offset = (int(x[0]) for x in dataset.locate(np.array([bad])))
+    tokens = np.fromfile(files[file_index], dtype=np.uint16)
+    tokens[offset + 5] = NANO_VOCAB + 3
+    tokens.tofile(files[file_index])
+
+    args = [sys.executable, "-m", "olmo_eqx", *TINY, f"data.source={tmp_path}/part*.npy", "trainer.eval_every=0",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    processes = launch_local_cluster(args, merge_stderr=True)
+    ended = [None, None]
+    while any(e is None for e in ended):
+        for i, p in enumerate(processes):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.1)
+    outputs = [p.communicate()[0] for p in processes]
+    assert [p.returncode for p in processes] == [2, 2], outputs
+    assert f"process 1 of 2 failed: token file {files[file_index]} holds token id {NANO_VOCAB + 3}" in outputs[0]
+    assert abs(ended[0] - ended[1]) < 15, (ended, outputs)  # seconds, not the runtime's 5-minute timeouts

@@ -52,6 +52,7 @@ from olmo_eqx.errors import RunError
 from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.olmo3 import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
+from olmo_eqx.processes import FailureWatch
 from olmo_eqx.run_dir import CONFIG_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
@@ -204,6 +205,12 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
     notes: lines a stage wants at the top of this session's log (printed and kept in train.log).
     """
     maybe_initialize_distributed()
+    # A failure in one process stops every process within seconds, with its message.
+    with FailureWatch():
+        return _train(config, run_dir, init_state, notes)
+
+
+def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...]) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     main_process = jax.process_index() == 0
