@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
+from .checkpoint_pins import pinned_steps
 from .checkpoint_retention import steps_to_delete
 from .models.config import ModelConfig, YarnConfig
 from .processes import agree
@@ -376,10 +377,14 @@ class Checkpointer:
             return
         steps = self._list_steps()
         sealed = {s for s in steps if has_digests(self._local / str(s))}
-        for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, self.protected):
+        protected = self.protected | pinned_steps(self._local)  # and what readers are reading
+        for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, protected):
             # Renamed first, so a kill mid-delete never leaves a step that looks complete.
             doomed = self._local / f".deleting-{step}"
             (self._local / str(step)).rename(doomed)
+            if step in pinned_steps(self._local):  # a reader pinned it meanwhile: it stays
+                doomed.rename(self._local / str(step))
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
         self._manager.reload()
 

@@ -209,6 +209,39 @@ def test_retention_never_drops_the_last_verified_step_for_an_unverified_one(tmp_
     checkpointer.close()
 
 
+def test_a_reader_of_a_live_run_pins_its_step_or_falls_back_saying_so(tmp_path, mesh8):
+    """eval/compare/soup/export of a run still training: the step a reader reads is pinned, so
+    the writer's retention keeps it; a step removed before the pin is replaced by the newest."""
+    from olmo_eqx.checkpoint_paths import CheckpointLocation
+    from olmo_eqx.checkpoint_pins import PIN_DIR, pin_location, pinned_steps, unpin
+    from olmo_eqx.warm_start import locate
+
+    run_dir = tmp_path / "run"
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    writer = Checkpointer(run_dir / "checkpoints", keep_last=1, async_save=False)
+    writer.save(1, state)
+    writer.save(2, state)
+    location = locate(run_dir)  # what +stage=eval checkpoint.load=<run dir> resolves and pins
+    assert location.step == 2 and pinned_steps(run_dir / "checkpoints") == {2}
+    writer.save(3, state)
+    writer.save(4, state)
+    assert writer.all_steps() == [2, 4]  # keep_last=1, and the pinned step
+    # A pin whose process is gone is stale: removed, and retention goes on.
+    (run_dir / "checkpoints" / PIN_DIR / "4.host.1").write_text('{"step": 3, "host": "%s", "pid": 999999999}' % os.uname().nodename)
+    assert pinned_steps(run_dir / "checkpoints") == {2}
+    # A step retention removed between the listing and the pin: the newest is read instead.
+    gone = CheckpointLocation("olmo_eqx", run_dir / "checkpoints", 3)
+    with pytest.warns(UserWarning, match="checkpoint step 3 in .* was removed .*; reading step 4, the newest"):
+        fallback = pin_location(gone, lambda loc: (loc.directory / str(loc.step) / COMMIT_MARKER).exists(),
+                                lambda: CheckpointLocation("olmo_eqx", run_dir / "checkpoints", 4))
+    assert fallback.step == 4 and pinned_steps(run_dir / "checkpoints") == {2, 4}
+    for pin in list((run_dir / "checkpoints" / PIN_DIR).iterdir()):
+        unpin(pin)
+    writer.save(5, state)
+    assert writer.all_steps() == [5]  # unpinned: retention as usual
+    writer.close()
+
+
 def test_export_hf(reference, tmp_path):
     hf = pytest.importorskip("olmo_eqx.hf")
     out = export_hf(reference["dir"], tmp_path / "hf")
