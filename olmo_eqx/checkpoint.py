@@ -41,7 +41,7 @@ from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, wri
 from .checkpoint_pins import pinned_steps
 from .checkpoint_retention import steps_to_delete
 from .models.config import ModelConfig, YarnConfig
-from .processes import agree
+from .processes import agree, gather
 from .errors import RunError
 from .train.state import TrainState
 
@@ -392,14 +392,23 @@ class Checkpointer:
 
     def verify(self, step: int) -> bool:
         """Check step `step`'s files against its manifest: True when verified, False when it
-        has none (saved by an older olmo_eqx). Raises `CheckpointCorruptError` otherwise."""
+        has none (saved by an older olmo_eqx). Raises `CheckpointCorruptError` otherwise.
+
+        With several processes each checks every P-th file and all share the verdicts (a
+        collective): each file is read once, not once per process."""
         if step in self._verified or self._local is None:
             return step in self._verified
         try:
-            checked = verify_digests(self._local / str(step))
+            checked = verify_digests(self._local / str(step), (jax.process_index(), jax.process_count()))
+            verdict = {"manifest": checked is not None, "mismatch": None}
         except DigestMismatch as e:
-            raise CheckpointCorruptError(self.directory / str(step), step, e.file, e.reason) from e
-        if checked is None:
+            verdict = {"manifest": True, "mismatch": [e.file, e.reason]}
+        verdicts = gather(f"verify_{step}", verdict)
+        for other in verdicts:
+            if other["mismatch"] is not None:
+                file, reason = other["mismatch"]
+                raise CheckpointCorruptError(self.directory / str(step), step, file, reason)
+        if not all(v["manifest"] for v in verdicts):
             return False
         self._verified.add(step)
         return True

@@ -4,6 +4,8 @@ runtime's own key-value store (the coordination service every process already ta
     agree(name, compute)     process 0 computes a JSON value, every process gets the same one
                              (a directory listing decided once, never re-listed by a process
                              while process 0 deletes in it)
+    gather(name, value)      every process's value, on every process (each verifies its share
+                             of a checkpoint's files; all learn the verdict)
     FailureWatch             a process that fails announces it; every other process stops
                              within seconds with that message, instead of waiting in a
                              collective or the shutdown barrier for the runtime's timeouts
@@ -53,6 +55,17 @@ def agree(name: str, compute: Callable[[], Any]) -> Any:
         client.key_value_set(key, json.dumps(value))
         return value
     return json.loads(client.blocking_key_value_get(key, AGREE_TIMEOUT_MS))
+
+
+def gather(name: str, value: Any) -> list:
+    """Every process's `value` (JSON-serialisable), in process order, on every process; a
+    collective like `agree`."""
+    if jax.process_count() == 1:
+        return [value]
+    prefix = f"olmo_eqx/gather/{name}/{next(_counter)}"
+    client = _client()
+    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
+    return [json.loads(client.blocking_key_value_get(f"{prefix}/{i}", AGREE_TIMEOUT_MS)) for i in range(jax.process_count())]
 
 
 def _stop_now(message: str) -> None:

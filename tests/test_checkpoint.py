@@ -1,6 +1,7 @@
 """Checkpoints: bitwise resume, 8 -> 4 -> 1 device restore, half-written steps ignored,
 SIGKILL during a save, mismatched model refused, retention, HF export."""
 
+import json
 import os
 import shutil
 import signal
@@ -288,6 +289,18 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     checkpointer.close()
     state, metrics = step(state, global_batch(2))
     print("LOSS", repr(float(metrics["loss"])), flush=True)
+
+    # Restoring: each process verifies its share of the files; which ones is observed here.
+    import json
+    from pathlib import Path
+    import olmo_eqx.checkpoint_digests as digests
+    from olmo_eqx.train.state import sharded_abstract_train_state
+    hashed, digest = [], digests._digest
+    digests._digest = lambda path: (hashed.append(Path(path).relative_to(Path(sys.argv[1]) / "2").as_posix()), digest(path))[1]
+    reader = Checkpointer(sys.argv[1])
+    reader.restore(2, target=sharded_abstract_train_state(TINY, OPTIM, mesh))
+    reader.close()
+    print("HASHED", json.dumps(sorted(hashed)), flush=True)
     """
 )
 
@@ -302,6 +315,12 @@ def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
         assert p.returncode == 0, err[-3000:]
         losses.append(float(next(line for line in out.splitlines() if line.startswith("LOSS")).split()[1]))
     assert losses[0] == losses[1]
+    # Every file of the step verified on restore, each by exactly one of the two processes.
+    hashed = [set(json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]))
+              for out, _ in outputs]
+    manifest = json.loads((directory / "2" / DIGEST_FILE).read_text())["files"]
+    assert hashed[0] and hashed[1] and not hashed[0] & hashed[1]
+    assert hashed[0] | hashed[1] == set(manifest)
 
     mesh, step = one_device
     checkpointer = Checkpointer(directory)
