@@ -21,14 +21,23 @@ steps with a manifest, so a newer damaged or unverifiable step never pushes out 
 one, and it never removes the `protected` step (the last one known good while a run is in
 trouble; `checkpoint_retention.py`). A step directory that is in the way of a save (no commit marker, or failed verification)
 is moved into `<dir>/set_aside/`, never deleted.
+
+This module is the Orbax side (save, restore, set-aside); each other concern has its own:
+
+    checkpoint_digests.py    the manifest: who hashes which file, verification
+    checkpoint_retention.py  which steps retention deletes (a pure decision, process 0's)
+    checkpoint_pins.py       readers of a live run keep their step from retention
+    checkpoint_storage.py    the pre-flight storage check, a failed write's OS cause
+    checkpoint_paths.py      what a user's path names (run dir, checkpoints dir, step, HF dir)
+    processes.py             what several processes agree on (listings, verdicts, failures)
 """
 
 import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -37,11 +46,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
+from .checkpoint_digests import DigestMismatch, digest_files, has_digests, verify_digests, write_digests
 from .checkpoint_pins import pinned_steps
 from .checkpoint_retention import steps_to_delete
+from .checkpoint_storage import CheckpointSaveError, os_reason
 from .models.config import ModelConfig, YarnConfig
-from .processes import agree, gather
+from .processes import agree, fetch, gather, post
 from .errors import RunError
 from .train.state import TrainState
 
@@ -74,28 +84,6 @@ class CheckpointCorruptError(RunError):
     def __init__(self, path, step: int, file: str, reason: str):
         super().__init__(f"checkpoint {path} (step {step}) is unusable: {file}: {reason}")
         self.path, self.step, self.file, self.reason = path, step, file, reason
-
-
-class CheckpointSaveError(RunError):
-    """A save that failed (unwritable directory, disk full, ...); nothing partial is kept."""
-
-
-def _os_reason(error: BaseException) -> str:
-    """The OS-level cause of `error` in one line: Orbax wraps TensorStore's errors, which carry
-    the errno as `[os_error_code='28']` inside a long message."""
-    seen, chain = error, [error]
-    while (seen := seen.__cause__ or seen.__context__) is not None and len(chain) < 20:
-        chain.append(seen)
-    for candidate in reversed(chain):
-        if isinstance(candidate, OSError) and candidate.errno:
-            where = f" at {candidate.filename}" if candidate.filename else ""
-            return f"{candidate.strerror} (errno {candidate.errno}){where}"
-        text = str(candidate)
-        if code := re.search(r"os_error_code='(\d+)'", text):
-            file = re.search(r'Failed writing: "([^"]+)"', text)
-            return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" + (f" writing {file.group(1)}" if file else "")
-    text = str(chain[-1]) or type(chain[-1]).__name__
-    return text.strip().splitlines()[0][:300]
 
 
 class Restored(NamedTuple):
@@ -205,6 +193,7 @@ class Checkpointer:
         self._verified: set[int] = set()
         # Steps retention must keep whatever keep_last says (`protect`).
         self.protected: frozenset[int] = frozenset()
+        self._saves, self._save_key = 0, ""  # names this save's digests in the processes' store
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
                 # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
@@ -312,6 +301,11 @@ class Checkpointer:
             health=ocp.args.JsonSave(health or {}),
         )
         self._saving = step
+        self._saves += 1
+        self._save_key = f"olmo_eqx/hash/{self.directory}/{self._saves}"
+        if jax.process_count() > 1 and jax.process_index() != 0 and self._local is not None:
+            threading.Thread(target=self._hash_own_files, args=(self._save_key,), daemon=True,
+                             name=f"olmo_eqx-hash-{step}").start()
         try:
             started = self._manager.save(step, args=args, force=force)
         except Exception as e:
@@ -321,12 +315,36 @@ class Checkpointer:
         return started
 
     def _write_manifest(self) -> None:
-        """Orbax's hook after every process wrote its files, before the rename (primary host only)."""
+        """Orbax's hook after every process wrote its files, before the rename (primary host
+        only; it runs in Orbax's finalising thread, not the training thread). With several
+        processes each hashes the files it wrote (`_hash_own_files`) and this assembles them."""
         if self._local is None:
             return
         tmp_dirs = sorted(self._local.glob(f"{self._saving}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime)
-        if tmp_dirs:
+        if not tmp_dirs:
+            return
+        if jax.process_count() == 1:
             write_digests(tmp_dirs[-1])
+            return
+        post(f"{self._save_key}/request", str(tmp_dirs[-1]))
+        files = digest_files(tmp_dirs[-1], process=0)
+        for other in range(1, jax.process_count()):
+            share = fetch(f"{self._save_key}/{other}")
+            if "error" in share:
+                raise OSError(f"process {other} could not hash its checkpoint files: {share['error']}")
+            files.update(share["files"])
+        write_digests(tmp_dirs[-1], files)
+
+    def _hash_own_files(self, key: str) -> None:
+        """Process i > 0, in a thread of its own: once process 0 says the step's files are all
+        written (its tmp dir), hash those this process wrote and hand them over."""
+        try:
+            tmp_dir = fetch(f"{key}/request")
+            share = {"files": digest_files(tmp_dir, process=jax.process_index())}
+        except Exception as e:  # process 0 reports it; a save that never finalised just ends here
+            share = {"error": f"{type(e).__name__}: {e}"}
+        with contextlib.suppress(Exception):
+            post(f"{key}/{jax.process_index()}", share)
 
     def _failed(self, step: int, error: BaseException):
         """Remove what a failed save left and raise one line naming the path and the OS error."""
@@ -339,7 +357,7 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             self._manager.reload()
         raise CheckpointSaveError(
-            f"saving checkpoint step {step} to {self.directory / str(step)} failed: {_os_reason(error)}. "
+            f"saving checkpoint step {step} to {self.directory / str(step)} failed: {os_reason(error)}. "
             "Nothing partial was kept; the previous checkpoints are intact. Free space or fix the "
             "permissions of checkpoint.dir, then rerun to resume"
         ) from error
@@ -424,7 +442,7 @@ class Checkpointer:
                 raise  # the files are the saved ones: the target or the code is at fault
             raise CheckpointCorruptError(
                 self.directory / str(step), step, "/".join(items) if len(items) == 1 else "its items",
-                f"not a readable olmo_eqx checkpoint ({type(e).__name__}: {_os_reason(e)})",
+                f"not a readable olmo_eqx checkpoint ({type(e).__name__}: {os_reason(e)})",
             ) from e
 
     def _resolve_step(self, step: Optional[int]) -> int:
@@ -537,41 +555,3 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     out = Path(out_dir).expanduser().resolve()  # save_hf writes local files
     save_hf(model, out, dtype=dtype)
     return out
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def check_storage(directory: str | os.PathLike, abstract_state: Any) -> None:
-    """Stop now, not after hours of training, if `directory` cannot take one checkpoint.
-
-    Creates the directory, writes and removes a probe file, and compares the free space with
-    the size of `abstract_state` (a tree of `jax.ShapeDtypeStruct`s: what a save writes).
-    Raises `CheckpointSaveError` naming the path, the OS error or both sizes. Remote
-    directories (gs://...) are left to the first save.
-    """
-    text = os.fspath(directory)
-    if "://" in text:
-        return
-    path = Path(text)
-    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state) if hasattr(leaf, "dtype"))
-    fix = "choose another checkpoint.dir or fix its permissions"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointSaveError(
-            f"checkpoint dir {path} is not writable: {e.strerror} ({e.filename or path}); {fix}"
-        ) from e
-    free = shutil.disk_usage(path).free
-    if free < need:
-        raise CheckpointSaveError(
-            f"checkpoint dir {path} has {_gib(free)} free but one checkpoint of this state needs about "
-            f"{_gib(need)}; free space there or choose another checkpoint.dir"
-        )

@@ -14,6 +14,7 @@ P processes verifies a P-th of the bytes (`part`), so every file is read once, n
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -49,16 +50,34 @@ def _files(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.relative_to(step_dir).as_posix() not in _UNSEALED)
 
 
-def write_digests(step_dir: str | os.PathLike) -> Path:
-    """Record size and digest of every file under `step_dir` in its `digests.json`."""
+_PROCESS_DIR = re.compile(r"(?:^|/)ocdbt\.process_(\d+)/")
+
+
+def writer_of(name: str) -> int:
+    """The process that wrote the step file `name`: TensorStore's OCDBT puts each process's
+    array data under `ocdbt.process_<i>/`; everything else (metadata, JSON items) is process 0's."""
+    found = _PROCESS_DIR.search(name)
+    return int(found.group(1)) if found else 0
+
+
+def digest_files(step_dir: str | os.PathLike, process: Optional[int] = None) -> dict[str, dict]:
+    """Size and digest of the files under `step_dir` (only those `process` wrote, when given),
+    `HASH_THREADS` at a time."""
     step_dir = Path(step_dir)
-    paths = _files(step_dir)
+    paths = [p for p in _files(step_dir) if process is None or writer_of(p.relative_to(step_dir).as_posix()) == process]
     with ThreadPoolExecutor(HASH_THREADS) as pool:
         digests = list(pool.map(_digest, paths))
-    files = {
+    return {
         p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, _ALGORITHM: digest}
         for p, digest in zip(paths, digests)
     }
+
+
+def write_digests(step_dir: str | os.PathLike, files: Optional[dict[str, dict]] = None) -> Path:
+    """Record size and digest of every file under `step_dir` in its `digests.json` (`files`:
+    the entries, when the processes that wrote them hashed them already)."""
+    step_dir = Path(step_dir)
+    files = digest_files(step_dir) if files is None else files
     target = step_dir / DIGEST_FILE
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps({"algorithm": _ALGORITHM, "files": files}, indent=1) + "\n")

@@ -6,6 +6,8 @@ runtime's own key-value store (the coordination service every process already ta
                              while process 0 deletes in it)
     gather(name, value)      every process's value, on every process (each verifies its share
                              of a checkpoint's files; all learn the verdict)
+    post / fetch             one value handed from one process to another (each process's
+                             digests of the checkpoint files it wrote, to process 0)
     FailureWatch             a process that fails announces it; every other process stops
                              within seconds with that message, instead of waiting in a
                              collective or the shutdown barrier for the runtime's timeouts
@@ -66,6 +68,16 @@ def gather(name: str, value: Any) -> list:
     client = _client()
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
     return [json.loads(client.blocking_key_value_get(f"{prefix}/{i}", AGREE_TIMEOUT_MS)) for i in range(jax.process_count())]
+
+
+def post(key: str, value: Any) -> None:
+    """Put a JSON value in the store under `key` (read with `fetch` by any process)."""
+    _client().key_value_set(key, json.dumps(value))
+
+
+def fetch(key: str, timeout_ms: int = AGREE_TIMEOUT_MS) -> Any:
+    """The value `post`ed under `key`, waiting for it up to `timeout_ms`."""
+    return json.loads(_client().blocking_key_value_get(key, timeout_ms))
 
 
 def _stop_now(message: str) -> None:

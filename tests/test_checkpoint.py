@@ -284,23 +284,28 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
     for k in range(2):
         state, _ = step(state, global_batch(k))
+    # Which files each process hashes, saving and restoring, is observed here.
+    import json
+    from pathlib import Path
+    import olmo_eqx.checkpoint_digests as digests
+    from olmo_eqx.train.state import sharded_abstract_train_state
+    hashed, phase, digest = {"save": [], "restore": []}, ["save"], digests._digest
+    def observed(path):
+        hashed[phase[0]].append("/".join(Path(path).relative_to(sys.argv[1]).parts[1:]))
+        return digest(path)
+    digests._digest = observed
+
     checkpointer = Checkpointer(sys.argv[1])
     checkpointer.save(2, state, loader_state=LOADER)
     checkpointer.close()
     state, metrics = step(state, global_batch(2))
     print("LOSS", repr(float(metrics["loss"])), flush=True)
 
-    # Restoring: each process verifies its share of the files; which ones is observed here.
-    import json
-    from pathlib import Path
-    import olmo_eqx.checkpoint_digests as digests
-    from olmo_eqx.train.state import sharded_abstract_train_state
-    hashed, digest = [], digests._digest
-    digests._digest = lambda path: (hashed.append(Path(path).relative_to(Path(sys.argv[1]) / "2").as_posix()), digest(path))[1]
+    phase[0] = "restore"
     reader = Checkpointer(sys.argv[1])
     reader.restore(2, target=sharded_abstract_train_state(TINY, OPTIM, mesh))
     reader.close()
-    print("HASHED", json.dumps(sorted(hashed)), flush=True)
+    print("HASHED", json.dumps(hashed), flush=True)
     """
 )
 
@@ -315,12 +320,15 @@ def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
         assert p.returncode == 0, err[-3000:]
         losses.append(float(next(line for line in out.splitlines() if line.startswith("LOSS")).split()[1]))
     assert losses[0] == losses[1]
-    # Every file of the step verified on restore, each by exactly one of the two processes.
-    hashed = [set(json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]))
-              for out, _ in outputs]
+    # Every file of the step hashed once when saved, by the process that wrote it, and
+    # verified once when restored, each process taking a share.
+    hashed = [json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]) for out, _ in outputs]
     manifest = json.loads((directory / "2" / DIGEST_FILE).read_text())["files"]
-    assert hashed[0] and hashed[1] and not hashed[0] & hashed[1]
-    assert hashed[0] | hashed[1] == set(manifest)
+    for phase in ("save", "restore"):
+        mine = [set(h[phase]) for h in hashed]
+        assert mine[0] and mine[1] and not mine[0] & mine[1], phase
+        assert mine[0] | mine[1] == set(manifest) and sum(map(len, (h[phase] for h in hashed))) == len(manifest), phase
+    assert all("ocdbt.process_1/" in name for name in hashed[1]["save"])
 
     mesh, step = one_device
     checkpointer = Checkpointer(directory)

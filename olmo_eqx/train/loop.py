@@ -40,7 +40,8 @@ from jax.sharding import Mesh
 
 from olmo_eqx import huge_pages
 from olmo_eqx.batch import TokenBatch
-from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
+from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
+from olmo_eqx.checkpoint_storage import check_storage
 from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
 from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.instances import InstanceDataset
