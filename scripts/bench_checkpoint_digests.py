@@ -1,6 +1,6 @@
 """What checkpoint verification costs: save and restore of a real train state (weights and
 Adam moments) with and without the digest manifest, and the hashing alone with one thread
-(as it was: one file after another) and with `HASH_THREADS`, on 1 or several processes.
+(as it was: one file after another), with `HASH_THREADS`, and one process's share of 2.
 
     python scripts/bench_checkpoint_digests.py [--model olmo3_60m] [--dir /tmp/bench_digests]
 
@@ -81,9 +81,9 @@ def main() -> None:
     per_host = args.project_gib * 2**30 / args.project_hosts
     print(f"projection, {args.project_gib:.0f} GiB on {args.project_hosts} hosts at {rate / 2**30:.2f} GiB/s per core: "
           f"before: save {args.project_gib * 2**30 / rate:.0f}s on process 0, restore {args.project_gib * 2**30 / rate:.0f}s "
-          f"on every host ({args.project_gib * args.project_hosts / 1024:.1f} TiB read); after: restore "
-          f"{per_host / rate:.1f}s per host on one core ({args.project_gib:.0f} GiB read once); save still "
-          f"{args.project_gib * 2**30 / rate / 16:.0f}s on process 0 with 16 threads")
+          f"on every host ({args.project_gib * args.project_hosts / 1024:.1f} TiB read); after: save and restore "
+          f"{per_host / rate:.1f}s per host on one core, each host hashing what it wrote / its share "
+          f"({args.project_gib:.0f} GiB read once), less with HASH_THREADS cores")
     shutil.rmtree(root, ignore_errors=True)
 
 
