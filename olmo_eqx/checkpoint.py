@@ -8,6 +8,8 @@ tmp-*` and renames it on commit, so a run killed mid-save leaves only an ignored
     <dir>/<step>/loader/        the data position (`LoaderState.to_dict()`), JSON
     <dir>/<step>/config/        the run's resolved config, JSON
     <dir>/<step>/model_config/  the `ModelConfig`, JSON (checked on every restore)
+    <dir>/<step>/health/        what the run knew of its health when it saved, JSON
+                                (`{"last_good": step}`, `train/divergence.py`)
 
 Restoring onto another mesh or device count (8 -> 4 -> 1) goes through an abstract target
 whose leaves carry the *new* shardings: `sharded_abstract_train_state(...)`.
@@ -16,16 +18,26 @@ Every step also holds `digests.json` (size and SHA-256 of each file, written bef
 commit; `checkpoint_digests.py`); restores verify it and raise `CheckpointCorruptError`
 (step, file, reason) when a file differs. Retention is ours, not Orbax's: it counts only
 steps with a manifest, so a newer damaged or unverifiable step never pushes out the last good
-one. A step directory that is in the way of a save (no commit marker, or failed verification)
+one, and it never removes the `protected` step (the last one known good while a run is in
+trouble; `checkpoint_retention.py`). A step directory that is in the way of a save (no commit marker, or failed verification)
 is moved into `<dir>/set_aside/`, never deleted.
+
+This module is the Orbax side (save, restore, set-aside); each other concern has its own:
+
+    checkpoint_digests.py    the manifest: who hashes which file, verification
+    checkpoint_retention.py  which steps retention deletes (a pure decision, process 0's)
+    checkpoint_pins.py       readers of a live run keep their step from retention
+    checkpoint_storage.py    the pre-flight storage check, a failed write's OS cause
+    checkpoint_paths.py      what a user's path names (run dir, checkpoints dir, step, HF dir)
+    processes.py             what several processes agree on (listings, verdicts, failures)
 """
 
 import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -34,8 +46,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from .checkpoint_digests import DigestMismatch, has_digests, verify_digests, write_digests
+from .checkpoint_digests import DigestMismatch, digest_files, has_digests, verify_digests, write_digests
+from .checkpoint_pins import pinned_steps
+from .checkpoint_retention import steps_to_delete
+from .checkpoint_storage import CheckpointSaveError, os_reason
 from .models.config import ModelConfig, YarnConfig
+from .processes import agree, fetch, gather, post
 from .errors import RunError
 from .train.state import TrainState
 
@@ -50,7 +66,9 @@ CONTINUABLE_FIELDS = RUNTIME_FIELDS + ("yarn", "max_sequence_length")
 # Written by Orbax into a step directory as the last act of a save (all storage backends).
 COMMIT_MARKER = "commit_success.txt"
 
-_ITEMS = ("model", "train", "loader", "config", "model_config")
+_ITEMS = ("model", "train", "loader", "config", "model_config", "health")
+# Items a step saved by an older olmo_eqx may lack.
+_OPTIONAL_ITEMS = ("health",)
 
 # Where damaged or half-written step directories go instead of being deleted.
 SET_ASIDE_DIR = "set_aside"
@@ -68,28 +86,6 @@ class CheckpointCorruptError(RunError):
         self.path, self.step, self.file, self.reason = path, step, file, reason
 
 
-class CheckpointSaveError(RunError):
-    """A save that failed (unwritable directory, disk full, ...); nothing partial is kept."""
-
-
-def _os_reason(error: BaseException) -> str:
-    """The OS-level cause of `error` in one line: Orbax wraps TensorStore's errors, which carry
-    the errno as `[os_error_code='28']` inside a long message."""
-    seen, chain = error, [error]
-    while (seen := seen.__cause__ or seen.__context__) is not None and len(chain) < 20:
-        chain.append(seen)
-    for candidate in reversed(chain):
-        if isinstance(candidate, OSError) and candidate.errno:
-            where = f" at {candidate.filename}" if candidate.filename else ""
-            return f"{candidate.strerror} (errno {candidate.errno}){where}"
-        text = str(candidate)
-        if code := re.search(r"os_error_code='(\d+)'", text):
-            file = re.search(r'Failed writing: "([^"]+)"', text)
-            return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})" + (f" writing {file.group(1)}" if file else "")
-    text = str(chain[-1]) or type(chain[-1]).__name__
-    return text.strip().splitlines()[0][:300]
-
-
 class Restored(NamedTuple):
     """What `Checkpointer.restore` returns."""
 
@@ -98,6 +94,7 @@ class Restored(NamedTuple):
     loader_state: Optional[dict]  # rebuild with `LoaderState.from_dict`
     config: Optional[dict]
     model_config: ModelConfig
+    health: Optional[dict] = None  # None: saved by an olmo_eqx that recorded none
 
 
 def model_config_to_dict(config: ModelConfig) -> dict:
@@ -194,6 +191,9 @@ class Checkpointer:
         self._saving: Optional[int] = None  # the step of the save in flight
         self._failed_step: Optional[int] = None  # a save that failed: close() sweeps its leftovers again
         self._verified: set[int] = set()
+        # Steps retention must keep whatever keep_last says (`protect`).
+        self.protected: frozenset[int] = frozenset()
+        self._saves, self._save_key = 0, ""  # names this save's digests in the processes' store
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
                 # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
@@ -216,7 +216,15 @@ class Checkpointer:
     # -- queries -----------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first (half-written ones never appear)."""
+        """Steps of the complete checkpoints, oldest first (half-written ones never appear).
+
+        In a multi-process run process 0 lists and every process gets its answer (`agree`): a
+        process listing the directory while process 0's retention deletes in it used to crash.
+        Every process must call it at the same points (it is a collective)."""
+        return agree("checkpoint_steps", self._list_steps)
+
+    def _list_steps(self) -> list[int]:
+        """This process's own listing (process 0's, or a reader's)."""
         self._manager.reload()
         # Orbax commits by renaming its tmp dir on POSIX and lists any step-named dir; also
         # demand the commit marker it writes last, so a step dir copied or synced without
@@ -253,12 +261,14 @@ class Checkpointer:
         *,
         loader_state: Any = None,
         config: Any = None,
+        health: Optional[dict] = None,
         force: bool = True,
     ) -> bool:
         """Start saving `state` with its data position and run config as checkpoint `step`.
 
         loader_state: a `LoaderState` (anything with `to_dict()`), dataclass or dict.
-        config: the resolved run config as a dict (or dataclass). Returns whether a save began
+        config: the resolved run config as a dict (or dataclass). health: what the run knows of
+        its health (`{"last_good": step}`), read back by a resume. Returns whether a save began
         (False when a complete checkpoint of this step already exists, e.g. right after a resume).
         """
         if self.read_only:
@@ -288,8 +298,14 @@ class Checkpointer:
             loader=ocp.args.JsonSave(_jsonable(loader_state)),
             config=ocp.args.JsonSave(_jsonable(config)),
             model_config=ocp.args.JsonSave(model_config_to_dict(state.model.config)),
+            health=ocp.args.JsonSave(health or {}),
         )
         self._saving = step
+        self._saves += 1
+        self._save_key = f"olmo_eqx/hash/{self.directory}/{self._saves}"
+        if jax.process_count() > 1 and jax.process_index() != 0 and self._local is not None:
+            threading.Thread(target=self._hash_own_files, args=(self._save_key,), daemon=True,
+                             name=f"olmo_eqx-hash-{step}").start()
         try:
             started = self._manager.save(step, args=args, force=force)
         except Exception as e:
@@ -299,12 +315,36 @@ class Checkpointer:
         return started
 
     def _write_manifest(self) -> None:
-        """Orbax's hook after every process wrote its files, before the rename (primary host only)."""
+        """Orbax's hook after every process wrote its files, before the rename (primary host
+        only; it runs in Orbax's finalising thread, not the training thread). With several
+        processes each hashes the files it wrote (`_hash_own_files`) and this assembles them."""
         if self._local is None:
             return
         tmp_dirs = sorted(self._local.glob(f"{self._saving}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime)
-        if tmp_dirs:
+        if not tmp_dirs:
+            return
+        if jax.process_count() == 1:
             write_digests(tmp_dirs[-1])
+            return
+        post(f"{self._save_key}/request", str(tmp_dirs[-1]))
+        files = digest_files(tmp_dirs[-1], process=0)
+        for other in range(1, jax.process_count()):
+            share = fetch(f"{self._save_key}/{other}")
+            if "error" in share:
+                raise OSError(f"process {other} could not hash its checkpoint files: {share['error']}")
+            files.update(share["files"])
+        write_digests(tmp_dirs[-1], files)
+
+    def _hash_own_files(self, key: str) -> None:
+        """Process i > 0, in a thread of its own: once process 0 says the step's files are all
+        written (its tmp dir), hash those this process wrote and hand them over."""
+        try:
+            tmp_dir = fetch(f"{key}/request")
+            share = {"files": digest_files(tmp_dir, process=jax.process_index())}
+        except Exception as e:  # process 0 reports it; a save that never finalised just ends here
+            share = {"error": f"{type(e).__name__}: {e}"}
+        with contextlib.suppress(Exception):
+            post(f"{key}/{jax.process_index()}", share)
 
     def _failed(self, step: int, error: BaseException):
         """Remove what a failed save left and raise one line naming the path and the OS error."""
@@ -317,7 +357,7 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             self._manager.reload()
         raise CheckpointSaveError(
-            f"saving checkpoint step {step} to {self.directory / str(step)} failed: {_os_reason(error)}. "
+            f"saving checkpoint step {step} to {self.directory / str(step)} failed: {os_reason(error)}. "
             "Nothing partial was kept; the previous checkpoints are intact. Free space or fix the "
             "permissions of checkpoint.dir, then rerun to resume"
         ) from error
@@ -344,36 +384,49 @@ class Checkpointer:
         self._manager.reload()
         return target
 
+    def protect(self, *steps: Optional[int]) -> None:
+        """Retention keeps `steps` (None entries ignored) from now on, in place of those
+        protected before."""
+        self.protected = frozenset(int(s) for s in steps if s is not None)
+
     def _prune(self) -> None:
-        """Keep the newest `keep_last` steps *with a manifest* (and multiples of `keep_every`);
-        delete older ones. Unverifiable steps never count towards keep_last."""
+        """Apply retention (`checkpoint_retention.steps_to_delete`) on process 0."""
         if self.read_only or self.keep_last is None or self._local is None or jax.process_index() != 0:
             return
-        steps = self.all_steps()
-        sealed = [s for s in steps if has_digests(self._local / str(s))]
-        if len(sealed) <= self.keep_last:
-            return
-        oldest_kept = sealed[-self.keep_last]
-        for step in steps:
-            if step < oldest_kept and not (self.keep_every and step % self.keep_every == 0):
-                # Renamed first, so a kill mid-delete never leaves a step that looks complete.
-                doomed = self._local / f".deleting-{step}"
-                (self._local / str(step)).rename(doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
+        steps = self._list_steps()
+        sealed = {s for s in steps if has_digests(self._local / str(s))}
+        protected = self.protected | pinned_steps(self._local)  # and what readers are reading
+        for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, protected):
+            # Renamed first, so a kill mid-delete never leaves a step that looks complete.
+            doomed = self._local / f".deleting-{step}"
+            (self._local / str(step)).rename(doomed)
+            if step in pinned_steps(self._local):  # a reader pinned it meanwhile: it stays
+                doomed.rename(self._local / str(step))
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
         self._manager.reload()
 
     # -- restore -----------------------------------------------------------------------------
 
     def verify(self, step: int) -> bool:
         """Check step `step`'s files against its manifest: True when verified, False when it
-        has none (saved by an older olmo_eqx). Raises `CheckpointCorruptError` otherwise."""
+        has none (saved by an older olmo_eqx). Raises `CheckpointCorruptError` otherwise.
+
+        With several processes each checks every P-th file and all share the verdicts (a
+        collective): each file is read once, not once per process."""
         if step in self._verified or self._local is None:
             return step in self._verified
         try:
-            checked = verify_digests(self._local / str(step))
+            checked = verify_digests(self._local / str(step), (jax.process_index(), jax.process_count()))
+            verdict = {"manifest": checked is not None, "mismatch": None}
         except DigestMismatch as e:
-            raise CheckpointCorruptError(self.directory / str(step), step, e.file, e.reason) from e
-        if checked is None:
+            verdict = {"manifest": True, "mismatch": [e.file, e.reason]}
+        verdicts = gather(f"verify_{step}", verdict)
+        for other in verdicts:
+            if other["mismatch"] is not None:
+                file, reason = other["mismatch"]
+                raise CheckpointCorruptError(self.directory / str(step), step, file, reason)
+        if not all(v["manifest"] for v in verdicts):
             return False
         self._verified.add(step)
         return True
@@ -389,7 +442,7 @@ class Checkpointer:
                 raise  # the files are the saved ones: the target or the code is at fault
             raise CheckpointCorruptError(
                 self.directory / str(step), step, "/".join(items) if len(items) == 1 else "its items",
-                f"not a readable olmo_eqx checkpoint ({type(e).__name__}: {_os_reason(e)})",
+                f"not a readable olmo_eqx checkpoint ({type(e).__name__}: {os_reason(e)})",
             ) from e
 
     def _resolve_step(self, step: Optional[int]) -> int:
@@ -397,8 +450,8 @@ class Checkpointer:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        elif step not in self.all_steps():
-            raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+        elif step not in (steps := self.all_steps()):
+            raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory}; have {steps}")
         return int(step)
 
     def restore(self, step: Optional[int] = None, *, target: TrainState) -> Restored:
@@ -410,6 +463,7 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         check_model_config(self.stored_model_config(step), target.model.config, f"checkpoint {self.directory / str(step)}")
+        optional = {name: ocp.args.JsonRestore() for name in _OPTIONAL_ITEMS if (self.directory / str(step) / name).exists()}
         data = self._read(
             step,
             model=ocp.args.StandardRestore(target.model),
@@ -417,6 +471,7 @@ class Checkpointer:
             loader=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore(),
             model_config=ocp.args.JsonRestore(),
+            **optional,
         )
         train = data["train"]
         state = TrainState(model=data["model"], **train)
@@ -426,6 +481,7 @@ class Checkpointer:
             loader_state=data["loader"] or None,
             config=data["config"] or None,
             model_config=model_config_from_dict(data["model_config"]),
+            health=data["health"] if "health" in optional else None,
         )
 
     def restore_model(self, step: Optional[int] = None, *, target: Any):
@@ -499,41 +555,3 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     out = Path(out_dir).expanduser().resolve()  # save_hf writes local files
     save_hf(model, out, dtype=dtype)
     return out
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def check_storage(directory: str | os.PathLike, abstract_state: Any) -> None:
-    """Stop now, not after hours of training, if `directory` cannot take one checkpoint.
-
-    Creates the directory, writes and removes a probe file, and compares the free space with
-    the size of `abstract_state` (a tree of `jax.ShapeDtypeStruct`s: what a save writes).
-    Raises `CheckpointSaveError` naming the path, the OS error or both sizes. Remote
-    directories (gs://...) are left to the first save.
-    """
-    text = os.fspath(directory)
-    if "://" in text:
-        return
-    path = Path(text)
-    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state) if hasattr(leaf, "dtype"))
-    fix = "choose another checkpoint.dir or fix its permissions"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointSaveError(
-            f"checkpoint dir {path} is not writable: {e.strerror} ({e.filename or path}); {fix}"
-        ) from e
-    free = shutil.disk_usage(path).free
-    if free < need:
-        raise CheckpointSaveError(
-            f"checkpoint dir {path} has {_gib(free)} free but one checkpoint of this state needs about "
-            f"{_gib(need)}; free space there or choose another checkpoint.dir"
-        )

@@ -6,18 +6,24 @@ silently (and train on NaN) or fail deep inside TensorStore. So the writer recor
 file of the step, its size and SHA-256 in `digests.json`, inside the step directory before
 Orbax renames it into place: a committed step either has its manifest or was written by an
 older olmo_eqx. Restoring verifies every listed file first and names the first one that
-differs. SHA-256 runs at about 1 GB/s on one core, roughly the speed of reading the files.
+differs. SHA-256 runs at about 1 GB/s on one core, roughly the speed of reading the files, so
+files are hashed `HASH_THREADS` at a time (hashlib releases the GIL), and on restore each of
+P processes verifies a P-th of the bytes (`part`), so every file is read once, not P times.
 """
 
 import hashlib
 import json
 import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 DIGEST_FILE = "digests.json"
 _ALGORITHM = "sha256"
 _CHUNK = 1 << 22
+# Files hashed at once: a checkpoint has one or more files per array and per process.
+HASH_THREADS = min(16, os.cpu_count() or 1)
 
 
 class DigestMismatch(Exception):
@@ -44,13 +50,34 @@ def _files(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.relative_to(step_dir).as_posix() not in _UNSEALED)
 
 
-def write_digests(step_dir: str | os.PathLike) -> Path:
-    """Record size and digest of every file under `step_dir` in its `digests.json`."""
+_PROCESS_DIR = re.compile(r"(?:^|/)ocdbt\.process_(\d+)/")
+
+
+def writer_of(name: str) -> int:
+    """The process that wrote the step file `name`: TensorStore's OCDBT puts each process's
+    array data under `ocdbt.process_<i>/`; everything else (metadata, JSON items) is process 0's."""
+    found = _PROCESS_DIR.search(name)
+    return int(found.group(1)) if found else 0
+
+
+def digest_files(step_dir: str | os.PathLike, process: Optional[int] = None) -> dict[str, dict]:
+    """Size and digest of the files under `step_dir` (only those `process` wrote, when given),
+    `HASH_THREADS` at a time."""
     step_dir = Path(step_dir)
-    files = {
-        p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, _ALGORITHM: _digest(p)}
-        for p in _files(step_dir)
+    paths = [p for p in _files(step_dir) if process is None or writer_of(p.relative_to(step_dir).as_posix()) == process]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        digests = list(pool.map(_digest, paths))
+    return {
+        p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, _ALGORITHM: digest}
+        for p, digest in zip(paths, digests)
     }
+
+
+def write_digests(step_dir: str | os.PathLike, files: Optional[dict[str, dict]] = None) -> Path:
+    """Record size and digest of every file under `step_dir` in its `digests.json` (`files`:
+    the entries, when the processes that wrote them hashed them already)."""
+    step_dir = Path(step_dir)
+    files = digest_files(step_dir) if files is None else files
     target = step_dir / DIGEST_FILE
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps({"algorithm": _ALGORITHM, "files": files}, indent=1) + "\n")
@@ -62,9 +89,23 @@ def has_digests(step_dir: str | os.PathLike) -> bool:
     return (Path(step_dir) / DIGEST_FILE).is_file()
 
 
-def verify_digests(step_dir: str | os.PathLike) -> Optional[int]:
-    """Check every file `digests.json` lists; the number checked, or None without a manifest.
+def _share(sizes: dict[str, int], count: int) -> list[list[str]]:
+    """The files split into `count` shares of about equal bytes (largest first, each to the
+    lightest share so far); the same on every process, as the manifest is."""
+    shares: list[list[str]] = [[] for _ in range(count)]
+    load = [0] * count
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        lightest = min(range(count), key=lambda i: (load[i], i))
+        shares[lightest].append(name)
+        load[lightest] += sizes[name]
+    return shares
 
+
+def verify_digests(step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> Optional[int]:
+    """Check the files `digests.json` lists; the number checked, or None without a manifest.
+
+    part: (index, count): check only share `index` of `count` shares of about equal bytes,
+    so `count` processes share the work, each file checked by exactly one of them.
     Raises `DigestMismatch` naming the first file that is missing, has another size or
     another digest (or a manifest that cannot be read).
     """
@@ -80,19 +121,28 @@ def verify_digests(step_dir: str | os.PathLike) -> Optional[int]:
         raise DigestMismatch(DIGEST_FILE, f"the manifest itself is unreadable ({type(e).__name__}: {e})") from e
     if algorithm != _ALGORITHM:
         raise DigestMismatch(DIGEST_FILE, f"unknown digest algorithm {algorithm!r}")
-    for name, expected in files.items():
-        path = step_dir / name
+    index, count = part
+    mine = _share({name: int(entry["size"]) for name, entry in files.items()}, count)[index]
+    for name in mine:  # sizes first: cheap, and a truncated file is named as such
         try:
-            size = path.stat().st_size
+            size = (step_dir / name).stat().st_size
         except OSError as e:
             raise DigestMismatch(name, f"missing ({e.strerror})") from e
-        if size != expected["size"]:
-            kind = "truncated" if size < expected["size"] else "longer than saved"
-            raise DigestMismatch(name, f"{kind}: {size} bytes, saved with {expected['size']}")
+        if size != files[name]["size"]:
+            kind = "truncated" if size < files[name]["size"] else "longer than saved"
+            raise DigestMismatch(name, f"{kind}: {size} bytes, saved with {files[name]['size']}")
+
+    def check(name: str) -> Optional[DigestMismatch]:
         try:
-            actual = _digest(path)
+            actual = _digest(step_dir / name)
         except OSError as e:
-            raise DigestMismatch(name, f"unreadable ({e.strerror})") from e
-        if actual != expected.get(algorithm):
-            raise DigestMismatch(name, f"contents changed since the save ({algorithm} differs, same size)")
-    return len(files)
+            return DigestMismatch(name, f"unreadable ({e.strerror})")
+        if actual != files[name].get(algorithm):
+            return DigestMismatch(name, f"contents changed since the save ({algorithm} differs, same size)")
+        return None
+
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for mismatch in pool.map(check, mine):
+            if mismatch is not None:
+                raise mismatch
+    return len(mine)

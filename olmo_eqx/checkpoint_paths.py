@@ -11,6 +11,10 @@ user remember which level of the tree to name:
     /models/Olmo-3-7B                              a HF checkpoint (config.json + *.safetensors)
 
 Anything else stops with a message saying what was found and what is expected.
+
+A checkpoint dir set apart from its run dir (`checkpoint.dir`) belongs to the first run dir
+that trains into it (`OWNER_FILE`, `claim_checkpoint_dir`): two run dirs sharing one would
+resume from each other's steps and delete each other's checkpoints.
 """
 
 import json
@@ -20,6 +24,39 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from .checkpoint import COMMIT_MARKER
+
+
+OWNER_FILE = "owner.json"
+
+
+class CheckpointDirOwnedError(RuntimeError):
+    """checkpoint.dir already belongs to another run dir."""
+
+
+def claim_checkpoint_dir(directory: Path, run_dir: Path) -> Optional[str]:
+    """Record `run_dir` as the owner of the checkpoint dir `directory` (process 0, before
+    training). Raises `CheckpointDirOwnedError` naming the owner when another run dir that
+    still exists holds it; returns a note when it takes over from one that no longer exists."""
+    directory, run_dir = Path(directory), Path(run_dir).resolve()
+    owner_file = directory / OWNER_FILE
+    note = None
+    try:
+        owner = Path(json.loads(owner_file.read_text())["run_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        owner = None
+    if owner is not None and owner != run_dir:
+        if owner.is_dir():
+            raise CheckpointDirOwnedError(
+                f"checkpoint.dir={directory} belongs to the run dir {owner}: two run dirs on one checkpoint "
+                f"dir would resume from and delete each other's steps. Continue that run in {owner}, or give "
+                f"this run another checkpoint.dir (delete {owner_file} only if {owner} is yours and done)"
+            )
+        note = f"checkpoint dir {directory}: its run dir {owner} no longer exists; {run_dir} takes it over"
+    if owner != run_dir:
+        tmp = owner_file.with_name(OWNER_FILE + ".tmp")
+        tmp.write_text(json.dumps({"run_dir": str(run_dir)}) + "\n")
+        os.replace(tmp, owner_file)
+    return note
 
 
 class CheckpointNotFoundError(FileNotFoundError):

@@ -15,9 +15,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
+from .errors import RunError
 from .models.config import ModelConfig, YarnConfig
 from .models.olmo3 import OLMo, abstract_model
 
@@ -39,8 +40,21 @@ _LAYER_TENSORS = {
 }
 
 
-class HFCheckpointError(ValueError):
-    """A HF checkpoint directory that cannot become (or come from) an olmo_eqx model."""
+class HFCheckpointError(RunError, ValueError):
+    """A HF checkpoint directory that cannot become (or come from) an olmo_eqx model. A
+    RunError, so every stage that loads weights stops with its one line; a ValueError for
+    library callers."""
+
+
+def _open_safetensors(file: Path):
+    """safetensors' reader of `file`; a damaged file (a header claiming 2^60 bytes, a truncated
+    download) becomes one `HFCheckpointError` naming it."""
+    try:
+        return safe_open(file, framework="flax")
+    except (SafetensorError, OSError) as e:
+        raise HFCheckpointError(
+            f"{file} is not a readable safetensors file ({e}); re-download or re-export the checkpoint"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,16 +230,33 @@ def _open_tensors(directory: Path) -> dict[str, Path]:
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HFCheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from e
         return {name: directory / file for name, file in weight_map.items()}
     files = [single] if single.exists() else sorted(directory.glob("*.safetensors"))
     if not files:
         raise HFCheckpointError(f"{directory} holds no *.safetensors weights (nor model.safetensors.index.json)")
     located = {}
     for file in files:
-        with safe_open(file, framework="flax") as f:
+        with _open_safetensors(file) as f:
             located.update({name: file for name in f.keys()})
     return located
+
+
+def read_hf_config(directory: Path) -> dict:
+    """The `config.json` of the HF checkpoint `directory` (`HFCheckpointError` if absent or unreadable)."""
+    config_file = Path(directory) / "config.json"
+    if not config_file.exists():
+        raise HFCheckpointError(f"{directory} has no config.json; point at a HF checkpoint directory")
+    try:
+        hf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise HFCheckpointError(f"{config_file} is not readable JSON ({e})") from e
+    if not isinstance(hf, dict):
+        raise HFCheckpointError(f"{config_file} is not a JSON object")
+    return hf
 
 
 def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
@@ -236,11 +267,7 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
     `config_overrides` set numerics such as `compute_dtype` or `attention_impl`.
     """
     directory = Path(path)
-    config_file = directory / "config.json"
-    if not config_file.exists():
-        raise HFCheckpointError(f"{directory} has no config.json; point load_hf at a HF checkpoint directory")
-    hf = json.loads(config_file.read_text())
-    config = model_config_from_hf(hf, padded_vocab_size=padded_vocab_size, param_dtype=param_dtype,
+    config = model_config_from_hf(read_hf_config(directory), padded_vocab_size=padded_vocab_size, param_dtype=param_dtype,
                                   **config_overrides)
     located = _open_tensors(directory)
     target = abstract_model(config)
@@ -252,7 +279,7 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             raise HFCheckpointError(f"{directory}: tensor {name!r} is missing (expected shape {shape})")
         file = located[name]
         if file not in handles:
-            handles[file] = safe_open(file, framework="flax")
+            handles[file] = _open_safetensors(file)
         tensor = handles[file].get_tensor(name)
         if tuple(tensor.shape) != shape:
             raise HFCheckpointError(

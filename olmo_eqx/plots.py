@@ -4,10 +4,12 @@ Both read plain records (those of metrics.jsonl, summary.json), so they can be r
 finished run dir: `python -c "from olmo_eqx.plots import *; loss_plot(read_metrics('RUN/metrics.jsonl'), 'RUN/loss.png')"`.
 """
 
-import json
 import math
+import warnings
 from pathlib import Path
 from typing import Optional
+
+from olmo_eqx.sinks import read_jsonl
 
 
 def _pyplot():
@@ -32,13 +34,14 @@ def _train_records(records: list[dict]) -> list[dict]:
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl in order, a step's later train record replacing the earlier
-    one (after a hard kill the steps since the last checkpoint were written twice)."""
+    one (after a hard kill the steps since the last checkpoint were written twice). A malformed
+    line is skipped with a warning (`read_jsonl`)."""
     records: list[dict] = []
     seen: dict[tuple, int] = {}
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
+    for record in read_jsonl(path):
+        if not isinstance(record.get("step"), int):
+            warnings.warn(f"{path}: skipped a record without an integer step: {str(record)[:80]}", stacklevel=2)
             continue
-        record = json.loads(line)
         key = (record.get("step"), tuple(sorted(k for k in record if k != "step")))
         if key in seen:
             records[seen[key]] = record

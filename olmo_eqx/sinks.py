@@ -8,10 +8,16 @@
 A record is a flat-or-nested dict with an integer "step". TensorBoard and W&B get its numbers
 flattened with "/" (`{"heldout": {"c4": 3.1}}` -> `heldout/c4`), so a tag is the path of the
 value in metrics.jsonl. Booleans and strings are left to metrics.jsonl.
+
+metrics.jsonl survives a kill: a run killed mid-write leaves a partial last line, which the
+next run moves into `metrics.jsonl.partial-<time>` (kept, not deleted) before it appends, and
+`read_jsonl`, the one reader of the project's JSONL files, skips a malformed line with a warning.
 """
 
 import json
 import os
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
@@ -42,10 +48,62 @@ def scalars(record: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def set_aside_partial_line(path: Path) -> Optional[Path]:
+    """Move a partial last line of the JSONL file `path` (no closing newline: the writer was
+    killed mid-line) into `<path>.partial-<time>` and cut it from `path`, so appending starts on
+    a line of its own. Where the fragment went, or None when the file ends cleanly."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    with open(path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return None
+        # Scan back for the last newline in blocks: metrics.jsonl can be large.
+        end, cut = size, 0
+        while end > 0 and not cut:
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            block = f.read(end - start)
+            if (i := block.rfind(b"\n")) >= 0:
+                cut = start + i + 1
+            end = start
+        f.seek(cut)
+        fragment = f.read()
+        aside = path.with_name(f"{path.name}.partial-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside.write_bytes(fragment)
+        f.truncate(cut)
+    warnings.warn(f"{path}: its last line was cut off (a killed writer); set aside in {aside}", stacklevel=2)
+    return aside
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file, one per line; a malformed line (the fragment a kill
+    left, a hand edit) is skipped with a warning naming the file and line."""
+    records = []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            warnings.warn(f"{path}:{number}: skipped a malformed line ({e})", stacklevel=2)
+            continue
+        if not isinstance(record, dict):
+            warnings.warn(f"{path}:{number}: skipped a line that is not a JSON object", stacklevel=2)
+            continue
+        records.append(record)
+    return records
+
+
 class JsonlSink:
-    """metrics.jsonl: appended, so a resumed run continues it (the later record of a step wins)."""
+    """metrics.jsonl: appended, so a resumed run continues it (the later record of a step wins).
+    A partial last line left by a killed run is set aside first (`set_aside_partial_line`)."""
 
     def __init__(self, run_dir: Path):
+        set_aside_partial_line(run_dir / METRICS_FILE)
         self._file = open(run_dir / METRICS_FILE, "a")
 
     def write(self, record: dict) -> None:

@@ -26,16 +26,26 @@ def _loss(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
 
 
+def _read_summary(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(summary, None), (None, None) when the job wrote none, or (None, why) when it is unreadable."""
+    if not path.exists():
+        return None, None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{path} is unreadable ({type(e).__name__}: {e})"
+    return (summary, None) if isinstance(summary, dict) else (None, f"{path} is not a JSON object")
+
+
 def collect(sweep_dir: Path) -> list[dict]:
     """One row per job directory under `sweep_dir` (those holding Hydra's `.hydra/`)."""
     rows = []
     job_dirs = [p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")]
     for job_dir in sorted(job_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else p.name)):
         overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
-        summary_path = job_dir / SUMMARY_FILE
-        summary: Optional[dict] = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        summary, error = _read_summary(job_dir / SUMMARY_FILE)
         error_path = job_dir / ERROR_FILE
-        error = error_path.read_text().strip() if error_path.exists() else None
+        error = error_path.read_text().strip() if error_path.exists() else error
         rows.append(
             {
                 "job": job_dir.name,
@@ -81,11 +91,15 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         out = RunDir(Path(config.hydra.sweep.dir))
-        rows = collect(out.path)
-        if not rows:
-            return
-        out.write_json("sweep_summary.json", rows)
-        drawn = plot(rows, out.file(PLOT_FILE))
+        try:
+            rows = collect(out.path)
+            if not rows:
+                return
+            out.write_json("sweep_summary.json", rows)
+            drawn = plot(rows, out.file(PLOT_FILE))
+        except Exception as e:  # a sweep without its table must not look like a success
+            print(f"error: the sweep table of {out.path} could not be built: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
         out.print(f"\nSweep summary ({out.path}):\n{format_table(rows)}")
         if drawn is not None:
             out.print(f"plot: {drawn}")

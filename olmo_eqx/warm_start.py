@@ -47,10 +47,21 @@ def locate(path, key: str = "checkpoint.load", *, allow_hf: bool = True, error: 
     complete step of a run dir or checkpoints dir, one step dir, or a HF dir unless allow_hf is
     False). Otherwise raises `error` (default `StageError`) as "<key>: <what is wrong and what
     would do>", `key` being the setting the path came from."""
+    from olmo_eqx.checkpoint import COMMIT_MARKER
     from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
+    from olmo_eqx.checkpoint_pins import pin, pin_location
 
     try:
-        return resolve_checkpoint(path, allow_hf=allow_hf)
+        location = resolve_checkpoint(path, allow_hf=allow_hf)
+        if location.kind != "olmo_eqx":
+            return location
+        # Pinned, so the retention of a run still writing there cannot remove it while it is
+        # read; a step named explicitly is never swapped for another.
+        if Path(path).expanduser().resolve() == location.directory / str(location.step):
+            pin(location.directory, location.step)
+            return location
+        return pin_location(location, lambda loc: (loc.directory / str(loc.step) / COMMIT_MARKER).exists(),
+                            lambda: resolve_checkpoint(location.directory, allow_hf=False))
     except CheckpointNotFoundError as e:
         if error is None:
             from olmo_eqx.stages import StageError as error
@@ -70,11 +81,9 @@ def stored_model_config(location, **fields):
     config.json maps to), with `fields` replaced: settings that don't change the stored weights
     (runtime fields; for HF also `param_dtype`, the dtype its weights are read into)."""
     if location.kind == "hf":
-        import json
+        from olmo_eqx.hf import model_config_from_hf, read_hf_config
 
-        from olmo_eqx.hf import model_config_from_hf
-
-        return model_config_from_hf(json.loads((location.directory / "config.json").read_text()), **fields)
+        return model_config_from_hf(read_hf_config(location.directory), **fields)
     with _reader(location) as checkpointer:
         return checkpointer.stored_model_config(location.step).replace(**fields)
 

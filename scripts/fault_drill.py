@@ -1,5 +1,5 @@
 """The fault drill: break a short pretrain run of the default model on purpose, every way the
-fault table of issue 11 lists, and print one row per fault: what happened, and whether
+fault tables of issues 11 and 25 list, and print one row per fault: what happened, and whether
 anything good was lost.
 
     python scripts/fault_drill.py [--keep DIR]      # a few minutes on 2 CPU cores
@@ -179,6 +179,88 @@ def drill(root: Path) -> list[tuple[str, str, bool]]:
     r = subprocess.run([sys.executable, "-m", "olmo_eqx", "+stage=anneal", f"checkpoint.load={junk}", f"hydra.run.dir={root / 'junk_run'}"],
                        capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
     rows.append(("junk step dir as checkpoint.load", f"exit {r.returncode}: {said(r)}", r.returncode != 0 and "Traceback" not in r.stderr))
+    rows += drill_issue_25(root, good, copy)
+    return rows
+
+
+def drill_issue_25(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
+    """The faults of issue 25: divergence mid-run, a partial metrics line, data changed by
+    content, where checkpoints live, what the summary names, late signals, foreign weights,
+    two processes saving every step."""
+    rows = []
+    # Loss goes NaN mid-run, saving every step: the last good checkpoint (20) must survive.
+    d = copy("nan_mid_run")
+    r = run(d, "trainer.steps=40", "optim.lr=1e30", "checkpoint.every=1", "optim.skip_step_min_history=2")
+    again = run(d, "trainer.steps=40", "trainer.stop_at=22")
+    rows.append(("loss NaN mid-run, checkpoint.every=1", f"exit {r.returncode}, kept {steps(d)}, rerun: {said(again)}",
+                 r.returncode != 0 and 20 in steps(d) and "last good checkpoint" in r.stderr and "checkpoints/20" in said(again)))
+
+    d = copy("partial_line")
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "lo')
+    r = run(d, "trainer.steps=25")
+    aside = list(d.glob("metrics.jsonl.partial-*"))
+    rows.append(("partial last line in metrics.jsonl", f"exit {r.returncode}, set aside {[p.name for p in aside]}",
+                 r.returncode == 0 and len(aside) == 1 and (d / "loss.png").exists()))
+
+    data = root / "swap_data"
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(2):
+        rng.integers(0, 4096, 256 * 40).astype(np.uint16).tofile(data / f"part{i}.npy")
+    r0 = run(root / "swap", f"data.source={data}/part*.npy", "trainer.stop_at=5")
+    a, b = (data / "part0.npy").read_bytes(), (data / "part1.npy").read_bytes()
+    (data / "part0.npy").write_bytes(b), (data / "part1.npy").write_bytes(a)
+    r = run(root / "swap", f"data.source={data}/part*.npy")
+    rows.append(("two same-size token files swapped", f"exit {r.returncode}: {said(r)}",
+                 r0.returncode == 0 and r.returncode != 0 and "part0.npy (source" in r.stderr and steps(root / "swap") == [5]))
+
+    here, there = root / "cwd_a", root / "cwd_b"
+    here.mkdir(), there.mkdir()
+    first = subprocess.run(command(root / "rel", "checkpoint.dir=ckpt", "trainer.stop_at=5"), cwd=here, capture_output=True,
+                           text=True, env={**os.environ, **ENV}, timeout=600)
+    r = subprocess.run(command(root / "rel", "checkpoint.dir=ckpt"), cwd=there, capture_output=True, text=True,
+                       env={**os.environ, **ENV}, timeout=600)
+    rows.append(("relative checkpoint.dir, rerun from another dir", f"exit {r.returncode}: {said(r)}",
+                 first.returncode == 0 and r.returncode != 0 and not (there / "ckpt").exists()))
+    r = run(root / "rel_other", f"checkpoint.dir={here / 'ckpt'}")
+    rows.append(("two run dirs, one checkpoint.dir", f"exit {r.returncode}: {said(r)}",
+                 r.returncode != 0 and str(root / "rel") in said(r) and sorted(int(p.name) for p in (here / "ckpt").iterdir() if p.name.isdigit()) == [5]))
+
+    d = copy("stop_at_below")
+    r = run(d, "trainer.stop_at=10")
+    named = summary(d).get("checkpoint")
+    rows.append(("resume of a step-20 run with trainer.stop_at=10", f"exit {r.returncode}, summary names {named}",
+                 r.returncode == 0 and named is not None and Path(named).is_dir()))
+
+    d = copy("late_signal")
+    late = subprocess.Popen(command(d, "trainer.steps=22"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **ENV})
+    for line in late.stdout:
+        if line.startswith("done"):
+            late.send_signal(signal.SIGTERM)
+            break
+    late.communicate(timeout=300)
+    rows.append(("SIGTERM after \"done\"", f"exit {late.returncode}", late.returncode == 0 and summary(d).get("stage_completed")))
+
+    llama = root / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (llama / "model.safetensors").write_bytes((2**60).to_bytes(8, "little") + b"{}")
+    r = subprocess.run([sys.executable, "-m", "olmo_eqx", "+stage=eval", f"checkpoint.load={llama}",
+                        f"hydra.run.dir={root / 'llama_eval'}"], capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    rows.append(("eval of a HF dir of another architecture", f"exit {r.returncode}: {said(r)}",
+                 r.returncode != 0 and "Traceback" not in r.stderr and not (root / "llama_eval").exists()))
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from localcluster import launch_local_cluster
+
+    d = root / "two_processes"
+    procs = launch_local_cluster(command(d, "trainer.stop_at=8", "checkpoint.every=1", "checkpoint.keep_last=1"),
+                                 merge_stderr=True)
+    codes = [(p.communicate(timeout=600), p.returncode)[1] for p in procs]
+    rows.append(("2 processes, checkpoint.every=1 keep_last=1", f"exits {codes}, kept {steps(d)}",
+                 codes == [0, 0] and 8 in steps(d)))
     return rows
 
 

@@ -1,6 +1,7 @@
 """Checkpoints: bitwise resume, 8 -> 4 -> 1 device restore, half-written steps ignored,
 SIGKILL during a save, mismatched model refused, retention, HF export."""
 
+import json
 import os
 import shutil
 import signal
@@ -209,6 +210,39 @@ def test_retention_never_drops_the_last_verified_step_for_an_unverified_one(tmp_
     checkpointer.close()
 
 
+def test_a_reader_of_a_live_run_pins_its_step_or_falls_back_saying_so(tmp_path, mesh8):
+    """eval/compare/soup/export of a run still training: the step a reader reads is pinned, so
+    the writer's retention keeps it; a step removed before the pin is replaced by the newest."""
+    from olmo_eqx.checkpoint_paths import CheckpointLocation
+    from olmo_eqx.checkpoint_pins import PIN_DIR, pin_location, pinned_steps, unpin
+    from olmo_eqx.warm_start import locate
+
+    run_dir = tmp_path / "run"
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    writer = Checkpointer(run_dir / "checkpoints", keep_last=1, async_save=False)
+    writer.save(1, state)
+    writer.save(2, state)
+    location = locate(run_dir)  # what +stage=eval checkpoint.load=<run dir> resolves and pins
+    assert location.step == 2 and pinned_steps(run_dir / "checkpoints") == {2}
+    writer.save(3, state)
+    writer.save(4, state)
+    assert writer.all_steps() == [2, 4]  # keep_last=1, and the pinned step
+    # A pin whose process is gone is stale: removed, and retention goes on.
+    (run_dir / "checkpoints" / PIN_DIR / "4.host.1").write_text('{"step": 3, "host": "%s", "pid": 999999999}' % os.uname().nodename)
+    assert pinned_steps(run_dir / "checkpoints") == {2}
+    # A step retention removed between the listing and the pin: the newest is read instead.
+    gone = CheckpointLocation("olmo_eqx", run_dir / "checkpoints", 3)
+    with pytest.warns(UserWarning, match="checkpoint step 3 in .* was removed .*; reading step 4, the newest"):
+        fallback = pin_location(gone, lambda loc: (loc.directory / str(loc.step) / COMMIT_MARKER).exists(),
+                                lambda: CheckpointLocation("olmo_eqx", run_dir / "checkpoints", 4))
+    assert fallback.step == 4 and pinned_steps(run_dir / "checkpoints") == {2, 4}
+    for pin in list((run_dir / "checkpoints" / PIN_DIR).iterdir()):
+        unpin(pin)
+    writer.save(5, state)
+    assert writer.all_steps() == [5]  # unpinned: retention as usual
+    writer.close()
+
+
 def test_export_hf(reference, tmp_path):
     hf = pytest.importorskip("olmo_eqx.hf")
     out = export_hf(reference["dir"], tmp_path / "hf")
@@ -250,11 +284,28 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
     for k in range(2):
         state, _ = step(state, global_batch(k))
+    # Which files each process hashes, saving and restoring, is observed here.
+    import json
+    from pathlib import Path
+    import olmo_eqx.checkpoint_digests as digests
+    from olmo_eqx.train.state import sharded_abstract_train_state
+    hashed, phase, digest = {"save": [], "restore": []}, ["save"], digests._digest
+    def observed(path):
+        hashed[phase[0]].append("/".join(Path(path).relative_to(sys.argv[1]).parts[1:]))
+        return digest(path)
+    digests._digest = observed
+
     checkpointer = Checkpointer(sys.argv[1])
     checkpointer.save(2, state, loader_state=LOADER)
     checkpointer.close()
     state, metrics = step(state, global_batch(2))
     print("LOSS", repr(float(metrics["loss"])), flush=True)
+
+    phase[0] = "restore"
+    reader = Checkpointer(sys.argv[1])
+    reader.restore(2, target=sharded_abstract_train_state(TINY, OPTIM, mesh))
+    reader.close()
+    print("HASHED", json.dumps(hashed), flush=True)
     """
 )
 
@@ -269,6 +320,15 @@ def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
         assert p.returncode == 0, err[-3000:]
         losses.append(float(next(line for line in out.splitlines() if line.startswith("LOSS")).split()[1]))
     assert losses[0] == losses[1]
+    # Every file of the step hashed once when saved, by the process that wrote it, and
+    # verified once when restored, each process taking a share.
+    hashed = [json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]) for out, _ in outputs]
+    manifest = json.loads((directory / "2" / DIGEST_FILE).read_text())["files"]
+    for phase in ("save", "restore"):
+        mine = [set(h[phase]) for h in hashed]
+        assert mine[0] and mine[1] and not mine[0] & mine[1], phase
+        assert mine[0] | mine[1] == set(manifest) and sum(map(len, (h[phase] for h in hashed))) == len(manifest), phase
+    assert all("ocdbt.process_1/" in name for name in hashed[1]["save"])
 
     mesh, step = one_device
     checkpointer = Checkpointer(directory)

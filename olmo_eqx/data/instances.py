@@ -8,9 +8,12 @@ permutation (subsample: a fixed random subset; repeat: every instance floor/ceil
 """
 
 import hashlib
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 from jaxtyping import Bool, Int, Integer
@@ -26,6 +29,57 @@ NGRAM_MAX_COUNT = 32
 # Every memory map holds a file descriptor and a mix can list thousands of files: keep only
 # the most recently read ones open.
 MAX_OPEN_FILES = 128
+# A file's content identity: SHA-256 of this many pages spread evenly over it, first and last
+# included (the whole file when it is smaller), so a resume reads 32 KiB per file, not the data.
+SAMPLE_PAGES = 8
+PAGE_BYTES = 4096
+
+
+def sample_digest(path: Path, size: int) -> str:
+    """SHA-256 (16 hex digits) of `SAMPLE_PAGES` pages of `path` spread over its `size` bytes."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if size <= SAMPLE_PAGES * PAGE_BYTES:
+            h.update(os.pread(fd, size, 0))
+        else:
+            last = size - PAGE_BYTES
+            for i in range(SAMPLE_PAGES):
+                h.update(os.pread(fd, PAGE_BYTES, last * i // (SAMPLE_PAGES - 1)))
+    finally:
+        os.close(fd)
+    return h.hexdigest()[:16]
+
+
+def _name(record: Mapping) -> str:
+    return f"token file {record['file']} (source {record['source']!r})"
+
+
+def describe_data_change(stored: Sequence[Mapping], current: Sequence[Mapping]) -> list[str]:
+    """What changed between the file records a checkpoint stored and today's, one line per file
+    (`InstanceDataset.file_records`); empty when the files are the same and in the same order."""
+    changes: list[str] = []
+    now = {(r["source"], r["file"]): r for r in current}
+    before = {(r["source"], r["file"]): r for r in stored}
+    by_content = {r["sample"]: r for r in stored}
+    for key, old in before.items():
+        new = now.get(key)
+        if new is None:
+            changes.append(f"{_name(old)} is gone from the dataset")
+        elif new["tokens"] != old["tokens"]:
+            kind = "truncated" if new["tokens"] < old["tokens"] else "appended to"
+            changes.append(f"{_name(new)} was {kind}: {new['tokens']} tokens, the checkpoint's had {old['tokens']}")
+        elif new["dtype"] != old["dtype"]:
+            changes.append(f"{_name(new)} is read as {new['dtype']}, the checkpoint's as {old['dtype']}")
+        elif new["sample"] != old["sample"]:
+            was = by_content.get(new["sample"])
+            hint = f"; it now holds what {was['file']} held (files swapped?)" if was and was is not old else ""
+            changes.append(f"{_name(new)}: its contents changed at the same size (rewritten in place){hint}")
+    changes += [f"{_name(r)} is new to the dataset" for key, r in now.items() if key not in before]
+    if not changes and [(r["source"], r["file"]) for r in stored] != [(r["source"], r["file"]) for r in current]:
+        moved = next(r for r, o in zip(current, stored) if (r["source"], r["file"]) != (o["source"], o["file"]))
+        changes.append(f"the files are in another order: {_name(moved)} moved (instance ids would name other data)")
+    return changes
 
 
 def repeated_ngram_keep(
@@ -99,6 +153,7 @@ class InstanceDataset:
         self.mix_seed = int(mix_seed)
 
         self.files: list[TokenFile] = []
+        self._file_records: list[dict] | None = None
         self._open_files: OrderedDict[int, None] = OrderedDict()
         self._open_lock = threading.Lock()
         self._file_starts: list[np.ndarray] = []  # per source: cumulative instance counts, first 0
@@ -127,6 +182,7 @@ class InstanceDataset:
             None if n == nat else FeistelPermutation(nat, derive_seed(self.mix_seed, i))
             for i, (n, nat) in enumerate(zip(self.sizes, self.natural_sizes))
         )
+        self.file_records()  # the files' identity as they were when opened
 
     def _mixed_sizes(self, total_instances: int | None) -> tuple[int, ...]:
         ratios = [s.ratio for s in self.sources]
@@ -150,22 +206,54 @@ class InstanceDataset:
     def __len__(self) -> int:
         return self.num_instances
 
-    def fingerprint(self) -> str:
+    def file_records(self) -> list[dict]:
+        """Per file, in id order: its source, the last three path components (not the data
+        root, so the same files mounted elsewhere match), tokens, dtype and `sample_digest`
+        (computed once, a few files at a time). A checkpoint stores them to name what changed."""
+        if self._file_records is None:
+            owners = [s.label for s, offset in zip(self.sources, self._file_offsets) for _ in s.paths]
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                samples = list(pool.map(lambda f: sample_digest(f.path, f.path.stat().st_size), self.files))
+            self._file_records = [
+                {"source": owner, "file": "/".join(f.path.parts[-3:]), "tokens": f.num_tokens,
+                 "dtype": f.dtype.name, "sample": sample}
+                for owner, f, sample in zip(owners, self.files, samples)
+            ]
+        return self._file_records
+
+    def fingerprint(self, content: bool = True) -> str:
         """A digest of what the ids mean: checkpoints refuse to resume on another dataset.
 
-        It covers labels, the last three path components and sizes of every file, the
-        sequence length and the mix sizes, but not the data root, so a run can resume from
-        the same files mounted elsewhere.
+        It covers labels, the last three path components, sizes and content samples
+        (`file_records`) of every file, the sequence length and the mix sizes, but not the
+        data root, so a run can resume from the same files mounted elsewhere. content=False:
+        without the samples, as checkpoints of older olmo_eqx versions recorded it.
         """
         h = hashlib.sha256()
         # Not the n-gram filter: it changes loss masks, not which instance an id names.
         h.update(f"seq={self.sequence_length};mix_seed={self.mix_seed}".encode())
         for source, size, offset in zip(self.sources, self.sizes, self._file_offsets):
             h.update(f"|{source.label}:{size}".encode())
-            for f in self.files[offset : offset + len(source.paths)]:
+            for i, f in enumerate(self.files[offset : offset + len(source.paths)], start=offset):
                 tail = "/".join(f.path.parts[-3:])
                 h.update(f";{tail}:{f.num_tokens}:{f.dtype.name}".encode())
+                if content:
+                    h.update(f":{self.file_records()[i]['sample']}".encode())
         return h.hexdigest()[:16]
+
+    def check_unchanged(self, fingerprint: str, records: Sequence[Mapping] = ()) -> None:
+        """Raise `DataFileError` unless this is the dataset a checkpoint recorded as
+        (`fingerprint`, `records` = its `file_records`), naming each file and what changed."""
+        if fingerprint == self.fingerprint() or (not records and fingerprint == self.fingerprint(content=False)):
+            return
+        changes = describe_data_change(records, self.file_records()) if records else []
+        what = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        raise DataFileError(
+            f"cannot resume: the checkpoint's data fingerprint {fingerprint} differs from this dataset's "
+            f"{self.fingerprint()}: "
+            + (what if changes else "the data sources, sequence length or mix changed since the checkpoint was written")
+            + ". Point the run at the original data, or start a fresh data position deliberately (no loader state)"
+        )
 
     def source_index(self, instance_ids: Integer[np.ndarray, " n"]) -> Int[np.ndarray, " n"]:
         """Index into `source_labels` of each instance id."""

@@ -12,6 +12,7 @@ Labels are not produced here: the loss shifts `input_ids` left by one itself.
 
 import queue
 import threading
+import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -84,7 +85,8 @@ class DataLoader:
         self.fingerprint = dataset.fingerprint()
         self._step = 0
         if state is not None:
-            self.sampler.check_resumable(state, self.fingerprint)
+            dataset.check_unchanged(state.fingerprint, state.files)  # names the file that changed
+            self.sampler.check_resumable(state, state.fingerprint)
             self._step = state.step
         self.guard = RepeatGuard(len(dataset), self.sampler.steps_per_epoch) if guard else None
 
@@ -104,7 +106,8 @@ class DataLoader:
     @property
     def state(self) -> LoaderState:
         """The position after the batches served so far: store it in the checkpoint."""
-        return self.sampler.state_after(self._step, self.fingerprint)
+        state = self.sampler.state_after(self._step, self.fingerprint)
+        return dataclasses.replace(state, files=tuple(self.dataset.file_records()))
 
     def local_instance_ids(self, step: int) -> Int[np.ndarray, " batch"]:
         """The instance ids this process reads at global `step` (its contiguous slice)."""

@@ -30,7 +30,8 @@ class LoaderState:
 
     `step` counts global batches served since the start of training (across epochs);
     `epoch` and `instances_consumed` follow from it and the batch size and are kept as
-    cross-checks; `fingerprint` identifies the dataset the ids refer to.
+    cross-checks; `fingerprint` identifies the dataset the ids refer to, `files` describes
+    each of its files (`InstanceDataset.file_records`) so a refusal can name what changed.
     """
 
     seed: int
@@ -38,6 +39,7 @@ class LoaderState:
     step: int
     instances_consumed: int
     fingerprint: str
+    files: tuple = dataclasses.field(default=(), compare=False)  # dicts: the fingerprint stands for them
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python types only, for any checkpoint format."""
@@ -45,7 +47,7 @@ class LoaderState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LoaderState":
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"files"}  # older checkpoints have no files
         missing = fields - set(data)
         if missing:
             raise DataFileError(f"loader state is missing {sorted(missing)}: got keys {sorted(data)}")
@@ -55,6 +57,7 @@ class LoaderState:
             step=int(data["step"]),
             instances_consumed=int(data["instances_consumed"]),
             fingerprint=str(data["fingerprint"]),
+            files=tuple(dict(record) for record in data.get("files") or ()),
         )
 
 

@@ -280,7 +280,7 @@ def run_compare(config: Config, run_dir: Path, settings: Optional[CompareSetting
     started = time.perf_counter()
     ev = Evaluator(config, settings, run_dir, "compare")
     try:
-        ev.say(f"compare: loading A ({path_a}) and B ({settings.against})")
+        # Nothing is written before both load: a refused model leaves no run dir behind.
         a = load_subject(path_a, settings.name_a, settings.tokenizer, config, ev.mesh, ev.rules)
         b = load_subject(settings.against, settings.name_b, settings.tokenizer_b or settings.tokenizer, config,
                          ev.mesh, ev.rules)

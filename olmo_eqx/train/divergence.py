@@ -6,10 +6,19 @@ rule has its history, the first non-finite update is *applied*), and the run use
 "completed" with NaN weights. `DivergenceGuard` watches the metrics the loop fetches anyway
 and says when to stop; `all_finite` is checked before every save, so a checkpoint never holds
 a non-finite state.
+
+Finite is not good: an update with a learning rate of 1e30 leaves finite weights (1e29) whose
+every later step is skipped. `SaveHealth` decides which saved steps are *good*, so retention
+keeps the last good one through the trouble and a divergence stop can name it:
+
+    a step is healthy when its loss and grad norm are finite and the skip-step rule kept it
+    (it judges them against their recent range); a step's loss is measured on the weights the
+    step before it left, so a checkpoint of step s is good once a healthy step follows it.
+    Skipped steps in between leave the weights as saved, so they neither confirm nor condemn.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import equinox as eqx
@@ -63,3 +72,42 @@ class DivergenceGuard:
                 f"(trainer.max_consecutive_skips={self.max_consecutive_skips}; last loss {loss}, grad norm {grad_norm})"
             )
         return None
+
+
+@dataclass
+class SaveHealth:
+    """Which saved steps are known good (see the module docstring).
+
+    last_good: the newest saved step a healthy step has confirmed (None: none yet).
+    unconfirmed: steps saved since, oldest first, awaiting a healthy step after them.
+    """
+
+    last_good: Optional[int] = None
+    unconfirmed: list[int] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, step: int, stored: Optional[dict]) -> "SaveHealth":
+        """The health of a run resumed from checkpoint `step`, given what that checkpoint
+        recorded (`saved_record`; None from an olmo_eqx that recorded nothing: taken as good)."""
+        if not step:
+            return cls()
+        if stored is None:
+            return cls(last_good=step)
+        last_good = stored.get("last_good")
+        return cls(last_good=None if last_good is None else int(last_good), unconfirmed=[step])
+
+    def saved_record(self) -> dict:
+        """What a checkpoint saved now records, for `resumed`."""
+        return {"last_good": self.last_good}
+
+    def saved(self, step: int) -> None:
+        self.unconfirmed.append(step)
+
+    def observe(self, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
+        """Step `step`'s metrics: a healthy step confirms every step saved before it."""
+        if skipped or not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return
+        confirmed = [s for s in self.unconfirmed if s < step]
+        if confirmed:
+            self.last_good = confirmed[-1]
+            self.unconfirmed = [s for s in self.unconfirmed if s >= step]

@@ -13,7 +13,8 @@ What goes wrong stops the run with one line (a `TrainError`) and nothing lost: a
 on the same run dir (`run_lock`), an unwritable or too small checkpoint dir (before
 compiling), a refused resume (before anything in the run dir changes), a checkpoint that
 fails verification (set aside; the previous one is used), a failed save, token ids out of
-range, and divergence (`divergence.py`: never saved, summary says `diverged`).
+range, and divergence (`divergence.py`: never saved, summary says `diverged`; the steps
+saved since the last good one are set aside, so a rerun resumes from the good one).
 
 In multi-process runs every process runs this loop; only process 0 prints and writes the
 run directory's files, all through one `RunDir` (config.json, train.log, summary.json,
@@ -23,6 +24,7 @@ signals from `signals.py`, tokens/s from `throughput.py`, the optional trace fro
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -38,7 +40,9 @@ from jax.sharding import Mesh
 
 from olmo_eqx import huge_pages
 from olmo_eqx.batch import TokenBatch
-from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer, check_storage
+from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
+from olmo_eqx.checkpoint_storage import check_storage
+from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
 from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
@@ -49,16 +53,17 @@ from olmo_eqx.errors import RunError
 from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.olmo3 import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
-from olmo_eqx.run_dir import RunDir
+from olmo_eqx.processes import FailureWatch
+from olmo_eqx.run_dir import CONFIG_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
 from olmo_eqx.sinks import METRICS_FILE, check_loggers
-from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, all_finite
+from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.train.signals import any_process, stop_on_signals
+from olmo_eqx.train.signals import any_process, ignore_signals_after_completion, stop_on_signals
 from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput
@@ -98,17 +103,33 @@ def random_init(config: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
 
 
 def _checkpoint_dir(config: Config, run_dir: Path) -> str:
+    """The run's checkpoint dir, absolute. A relative `checkpoint.dir` resolves against the
+    current directory once and is recorded absolute in config.json; rerun from elsewhere it
+    would name another directory and silently start over, so that is refused."""
     directory = config.checkpoint.dir
     if directory is None:
         return str(run_dir / "checkpoints")
-    return directory if "://" in directory else str(Path(directory).expanduser().resolve())
+    if "://" in directory:
+        return directory
+    resolved = str(Path(directory).expanduser().resolve())
+    if not Path(directory).expanduser().is_absolute():
+        try:
+            recorded = json.loads((run_dir / CONFIG_FILE).read_text())["checkpoint"]["dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+        if recorded and recorded != resolved:
+            raise TrainError(
+                f"checkpoint.dir={directory} is relative: from {Path.cwd()} it names {resolved}, but this run dir's "
+                f"checkpoints are in {recorded}. Give checkpoint.dir={recorded} (absolute) to continue the run"
+            )
+    return resolved
 
 
 def _restore_or_init(
     config: Config, checkpointer: Checkpointer, dataset: InstanceDataset, mesh: Mesh, rules: ShardingRules,
     init_state: InitState, notes: list[str],
-) -> tuple[TrainState, DataLoader, int]:
-    """(state, loader, step): from the newest checkpoint that verifies, else fresh.
+) -> tuple[TrainState, DataLoader, int, SaveHealth]:
+    """(state, loader, step, health): from the newest checkpoint that verifies, else fresh.
 
     Raises `TrainError` for every refusal (other model, data, seed, batch, sequence length)
     before the caller writes anything into the run dir. A checkpoint that fails verification
@@ -120,7 +141,7 @@ def _restore_or_init(
             f"{checkpointer.directory} already holds checkpoints (latest step {steps[-1]}) and "
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
-    state, loader_state, start_step = None, None, 0
+    state, loader_state, start_step, health = None, None, 0, SaveHealth()
     if steps:
         target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
         unusable = []
@@ -133,6 +154,7 @@ def _restore_or_init(
                 unusable.append(f"{e}; moved to {checkpointer.set_aside(step, e.reason)}")
                 continue
             state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
+            health = SaveHealth.resumed(step, restored.health)
             break
         fallback = f"falling back to step {start_step}" if state is not None else "no usable checkpoint is left"
         notes.extend(f"{line}; {fallback}" for line in unusable)
@@ -157,7 +179,7 @@ def _restore_or_init(
         raise TrainError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
     if state is None:
         state = init_state(config, mesh, rules)
-    return state, loader, start_step
+    return state, loader, start_step, health
 
 
 @contextmanager
@@ -184,6 +206,12 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
     notes: lines a stage wants at the top of this session's log (printed and kept in train.log).
     """
     maybe_initialize_distributed()
+    # A failure in one process stops every process within seconds, with its message.
+    with FailureWatch():
+        return _train(config, run_dir, init_state, notes)
+
+
+def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...]) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     main_process = jax.process_index() == 0
@@ -202,14 +230,26 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
         run_dir.mkdir(parents=True, exist_ok=True)
     with _one_writer(run_dir, main_process):
         checkpoint_dir = _checkpoint_dir(config, run_dir)
+        own_dir = config.checkpoint.dir is not None and checkpoint_dir != str(run_dir / "checkpoints")
+        if config.checkpoint.dir is not None:
+            # Recorded absolute (config.json, each checkpoint), so a rerun from anywhere finds it.
+            config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, dir=checkpoint_dir))
         if main_process:
             check_storage(checkpoint_dir, abstract_train_state(config.model, config.optim))
+            if own_dir and "://" not in checkpoint_dir:
+                try:
+                    if note := claim_checkpoint_dir(Path(checkpoint_dir), run_dir):
+                        notes = (*notes, note)
+                except CheckpointDirOwnedError as e:
+                    raise TrainError(str(e)) from e
         checkpointer = Checkpointer(
             checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
         )
         try:
             notes = list(notes)
-            state, loader, start_step = _restore_or_init(config, checkpointer, dataset, mesh, rules, init_state, notes)
+            state, loader, start_step, health = _restore_or_init(
+                config, checkpointer, dataset, mesh, rules, init_state, notes
+            )
             config_dict = config_to_dict(config)
             out = RunDir(run_dir, enabled=main_process, log_name=LOG_FILE, loggers=config.trainer.loggers,
                          sink_config=config_dict)
@@ -218,7 +258,8 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
                 for note in notes:
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
-                             mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started)
+                             mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started,
+                             health=health)
                 loop.banner(mesh)
                 summary = loop.run()
             except DataFileError as e:  # token ids out of range, found as the batch is read
@@ -242,7 +283,7 @@ class _Loop:
     carries between steps lives on this object, each piece of host-side work is one method."""
 
     def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule,
-                 checkpointer, started):
+                 checkpointer, started, health: SaveHealth):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
         self.start_step, self.started = start_step, started
         trainer, data = config.trainer, config.data
@@ -262,7 +303,9 @@ class _Loop:
         self.model_flops = float(flops_per_token(config.model, data.sequence_length))
         self.peak = peak_flops_per_device()
         self.n_params = count_params(config.model)
-        self.end_step = trainer.stop_at or trainer.steps
+        # A checkpoint already past the end (trainer.stop_at below it) is where the run stays:
+        # nothing is trained, and the summary names that checkpoint.
+        self.end_step = max(trainer.stop_at or trainer.steps, start_step)
         self.config_dict = config_to_dict(config)
         self.last_saved = start_step if start_step else None
         self.guard = DivergenceGuard(
@@ -270,6 +313,9 @@ class _Loop:
             min_history=config.optim.skip_history_needed if config.optim.skip_step_std else None,
             max_consecutive_skips=trainer.max_consecutive_skips,
         )
+        # Which saves are known good: retention keeps the last of them through any trouble.
+        self.health = health
+        checkpointer.protect(health.last_good)
         self.throughput = Throughput(data.global_batch_size * data.sequence_length)
         self.recent_losses: list[float] = []
         self.last_heldout: Optional[float] = None
@@ -307,12 +353,27 @@ class _Loop:
         self.out.metrics(record)
 
     def diverged(self, step: int, reason: str):
-        """Stop without saving: the summary says `diverged`, the last good checkpoint stays."""
-        last = self.last_saved
-        kept = f"the last checkpoint is {self.checkpointer.directory / str(last)}" if last else "no checkpoint was saved"
+        """Stop without saving: the summary says `diverged`; the steps saved since the last
+        good one are set aside (kept), so a rerun resumes from the good one."""
+        checkpointer, good = self.checkpointer, self.health.last_good
+        checkpointer.wait_until_finished()
+        steps = checkpointer.all_steps()
+        if not steps:
+            kept = "no checkpoint was saved"
+        elif good in steps:
+            suspect = [s for s in steps if s > good]
+            for s in suspect:
+                checkpointer.set_aside(s, "saved during divergence")
+            kept = f"the last good checkpoint is {checkpointer.directory / str(good)} (step {good}); a rerun resumes from it"
+            if suspect:
+                kept += (f"; step(s) {suspect}, saved after the trouble began, were moved to "
+                         f"{checkpointer.directory / 'set_aside'}")
+        else:
+            kept = (f"no checkpoint is known good (none was followed by a healthy step); the newest, step "
+                    f"{steps[-1]}, is where a rerun resumes")
         message = f"training diverged: {reason}. Stopped at step {step} without saving ({kept}); {LIKELY_CAUSES}"
         self.out.print(message)
-        self.out.write_summary(self.summary(step, diverged={"step": step, "reason": reason}))
+        self.out.write_summary(self.summary(step, diverged={"step": step, "reason": reason, "last_good_step": good}))
         self.plot()
         raise TrainingDiverged(message)
 
@@ -320,7 +381,9 @@ class _Loop:
         if step != self.last_saved:
             if not bool(all_finite(self.state)):
                 self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-            self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict)
+            self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
+                                   health=self.health.saved_record())
+            self.health.saved(step)
             self.last_saved = step
 
     def record(self, step: int, metrics: dict, boundary: bool) -> None:
@@ -349,6 +412,8 @@ class _Loop:
         self.write(entry)
         if reason := self.guard.observe(step, values["loss"], values["grad_norm"], bool(values["skipped"])):
             self.diverged(step, reason)
+        self.health.observe(step, values["loss"], values["grad_norm"], bool(values["skipped"]))
+        self.checkpointer.protect(self.health.last_good)
 
     def run_eval(self, step: int) -> None:
         """Held-out loss per set; `heldout_loss` is their token-weighted mean."""
@@ -457,7 +522,8 @@ class _Loop:
             finally:
                 profiler.stop()  # a run stopped inside the profiled range still leaves its trace
         if self.start_step >= self.end_step:
-            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at {self.end_step}")
+            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
+                           f"{trainer.stop_at or trainer.steps}")
             if self.eval_batches:
                 self.run_eval(self.start_step)
         self.save(self.end_step)
@@ -466,6 +532,7 @@ class _Loop:
         end_step = self.end_step
         summary = self.summary(end_step, interrupted=interrupted)
         summary_path = self.out.write_summary(summary)
+        ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
         took = f"{summary['wall_time_s']:.1f}s"
         if end_step == trainer.steps:

@@ -45,6 +45,24 @@ def stop_on_signals(say: Callable[[str], None]) -> Iterator[StopFlag]:
             signal.signal(s, h)
 
 
+def ignore_signals_after_completion(say: Callable[[str], None]) -> None:
+    """From now on a SIGTERM or a first SIGINT is noted and ignored: the run is saved and its
+    summary written, so what is left (closing files, the runtime's teardown) must not turn a
+    completed run into exit status -15. A second SIGINT still interrupts."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    seen: list[int] = []
+
+    def handler(signum, _frame):
+        if signum == signal.SIGINT and seen.count(signal.SIGINT):
+            raise KeyboardInterrupt
+        seen.append(signum)
+        say(f"{signal.Signals(signum).name} after the run completed: ignored (nothing is left to save)")
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, handler)
+
+
 def any_process(flag: bool) -> bool:
     """True when any process saw a stop signal (every process must stop at the same step)."""
     if jax.process_count() == 1:
