@@ -534,24 +534,3 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: Optional[int] = None, dtype: Optional[str] = None) -> Path:
-    """Write a checkpoint's weights (default: latest step) as an HF model directory via `save_hf`."""
-    from .hf import save_hf  # lazy: keeps safetensors/HF mapping out of training imports
-    from .models.olmo3 import abstract_model
-
-    checkpointer = Checkpointer(checkpoint_dir, keep_last=None, read_only=True)
-    try:
-        config = checkpointer.stored_model_config(step)
-        device = jax.devices()[0]
-        target = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device)),
-            abstract_model(config),
-        )
-        model = checkpointer.restore_model(step, target=target)
-    finally:
-        checkpointer.close()
-    out = Path(out_dir).expanduser().resolve()  # save_hf writes local files
-    save_hf(model, out, dtype=dtype)
-    return out

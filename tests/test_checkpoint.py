@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_eqx.checkpoint import COMMIT_MARKER, CheckpointMismatchError, Checkpointer, export_hf
+from olmo_eqx.checkpoint import COMMIT_MARKER, CheckpointMismatchError, Checkpointer
+from olmo_eqx.export import export_hf
 from olmo_eqx.checkpoint_digests import DIGEST_FILE
 from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.models.config import ModelConfig
@@ -245,7 +246,7 @@ def test_a_reader_of_a_live_run_pins_its_step_or_falls_back_saying_so(tmp_path, 
 
 def test_export_hf(reference, tmp_path):
     hf = pytest.importorskip("olmo_eqx.hf")
-    out = export_hf(reference["dir"], tmp_path / "hf")
+    out = Path(export_hf(reference["dir"], tmp_path / "hf")["out"])
     assert (out / "config.json").exists()
     model = hf.load_hf(out, padded_vocab_size=TINY.padded_vocab_size)
     checkpointer = Checkpointer(reference["dir"])
