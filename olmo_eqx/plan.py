@@ -544,7 +544,7 @@ def plan(overrides: list[str], target: Target | str | int = "cpu:8", *, estimate
 # Searching layouts
 
 
-def _layouts(config, target: Target, batch_shards: int):  # noqa: D401
+def _layouts(config, target: Target, batch_shards: int):
     """Candidate layouts, most memory first within each remat policy: (model changes, micro-batches)."""
     policies = ["save_projections", "save_attention", "full"]
     if target.platform in ("tpu", "gpu"):
