@@ -42,8 +42,10 @@ class LoaderState:
     files: tuple = dataclasses.field(default=(), compare=False)  # dicts: the fingerprint stands for them
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain Python types only, for any checkpoint format."""
-        return dataclasses.asdict(self)
+        """Plain Python types only, for any checkpoint format (JSON's: `files` as a list)."""
+        state = dataclasses.asdict(self)
+        state["files"] = list(state["files"])
+        return state
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LoaderState":
