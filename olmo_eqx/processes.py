@@ -120,8 +120,11 @@ class FailureWatch:
         client = _client()
         try:
             client.key_value_set(_FAILED_KEY, message)
-        except Exception:  # another process announced first: its message stands
-            pass
+        except Exception:  # another process announced first: its message stands, and is the
+            # cause (this process's own error is then the collective its peer left, e.g. gloo's
+            # "Connection closed by peer", when the watch had no time to see the announcement)
+            with contextlib.suppress(Exception):
+                message = client.key_value_try_get(_FAILED_KEY) or message
         for other in range(jax.process_count()):
             if other != jax.process_index():
                 with contextlib.suppress(Exception):  # gone already, or too slow: stop anyway
