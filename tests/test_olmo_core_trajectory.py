@@ -25,12 +25,15 @@ OPTIM = OptimConfig(lr=1e-3, skip_step_window=8, skip_step_std=6.0)  # acts afte
 SCHEDULE = ScheduleConfig(name="cosine", warmup_steps=4, final_lr_ratio=0.1)
 
 # Measured (2 CPU cores, torch 2.13.0, jax 0.10.2): lr 1.9e-7, loss 1.2e-7 (one float32 ulp
-# at 8.0), grad norm 6.3e-5 (on the spike batch; 3e-5 elsewhere), final weights 4.5e-6 (the
-# embedding; 3.5e-6 the next tensor). OLMo-core's side without z-loss: loss 2.0e-6, weights
-# 5.1e-4 (the embedding); with its embedding decayed: weights 9.0e-4 (the embedding).
+# at 8.0), grad norm 2.6e-6, final weights 4.4e-6 (the embedding). The grad norm is compared
+# with the float64 norm of OLMo-core's gradients: its own reported figure (torch's float32
+# get_total_norm) rounds, by 6.3e-5 here. For scale, OLMo-core against itself from weights one
+# float32 ulp apart drifts as far over 40 steps as it does from us (scripts/olmo_core_parity.py).
+# OLMo-core's side without z-loss: loss 2.0e-6, weights 5.1e-4 (the embedding); with its
+# embedding decayed: weights 9.0e-4 (the embedding).
 LR_RTOL = 1e-6
 LOSS_RTOL = 5e-7
-GRAD_NORM_RTOL = 1e-4
+GRAD_NORM_RTOL = 1e-5
 WEIGHTS_RTOL = 2e-5
 
 

@@ -46,6 +46,7 @@ class Side:
     lrs: list[float] = field(default_factory=list)
     skipped: list[float] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # HF names, at the end of the stage
+    recorded_grad_norms: list[float] = field(default_factory=list)  # a reference's own float32 figure
 
 
 @dataclass
