@@ -12,14 +12,18 @@ from .flops import flops_per_token
 from .generate import generate
 from .hf import load_hf, save_hf
 from .models.config import ModelConfig, YarnConfig
-from .models.olmo3 import OLMo, count_params, with_config
+from .models.base import CausalLM
+from .models.olmo3 import OLMo
+from .models.registry import build_model, count_params, with_config
 from .models.zoo import ZOO, get_model_config
 
 __all__ = [
+    "CausalLM",
     "OLMo",
     "ModelConfig",
     "YarnConfig",
     "ZOO",
+    "build_model",
     "count_params",
     "export_hf",
     "flops_per_token",

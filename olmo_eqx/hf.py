@@ -20,7 +20,8 @@ from safetensors.flax import save_file
 
 from .errors import RunError
 from .models.config import ModelConfig, YarnConfig
-from .models.olmo3 import OLMo, abstract_model
+from .models.olmo3 import OLMo
+from .models.registry import abstract_model
 
 SUPPORTED_MODEL_TYPES = ("olmo2", "olmo3")
 

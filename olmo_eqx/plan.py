@@ -416,7 +416,7 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
 
     from .flops import flops_per_token
     from .models.attention import resolve_implementation
-    from .models.olmo3 import count_params
+    from .models.registry import count_params
     from .train.state import TrainState
 
     model, data = config.model, config.data

@@ -1,7 +1,7 @@
 """Where every array lives: the device mesh, logical-axis rules, and the layout of a train state.
 
 The model names each array dimension with a *logical* axis ("embed", "heads", ...; see
-`olmo_eqx.models.olmo3.logical_axes`). `ShardingRules` maps logical names to *mesh* axes
+`olmo_eqx.models.base.logical_axes`). `ShardingRules` maps logical names to *mesh* axes
 ("data", "fsdp", "tensor"); the default is pure FSDP (OLMo 3's 7B layout): every weight split
 along its model dimension over "fsdp", the batch split over ("data", "fsdp"). Tensor
 parallelism is a config change: give "tensor" a size > 1 in `MeshConfig`.
@@ -22,7 +22,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .models.config import ModelConfig
-from .models.olmo3 import LogicalAxes, abstract_model, logical_axes, unconstrained
+from .models.base import LogicalAxes, logical_axes, unconstrained
+from .models.registry import abstract_model
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 

@@ -58,7 +58,7 @@ class Ours:
 
         from olmo_eqx.batch import TokenBatch
         from olmo_eqx.hf import load_hf
-        from olmo_eqx.models.olmo3 import unconstrained
+        from olmo_eqx.models.base import unconstrained
         from olmo_eqx.train.loss import objective, target_count
         from olmo_eqx.train.optim import OptimConfig, make_optimizer
         from olmo_eqx.train.schedules import ScheduleConfig, make_schedule

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from olmo_eqx import get_model_config
-from olmo_eqx.models.olmo3 import abstract_model
+from olmo_eqx.models.registry import abstract_model
 
 
 def compile_seconds(n_layers: int, model_name: str, seq: int) -> float:

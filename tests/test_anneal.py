@@ -113,7 +113,7 @@ def test_keep_or_reset_the_optimiser(pretrained):
 
 def test_from_hf_weights(pretrained, tmp_path):
     with Checkpointer(pretrained / "checkpoints", read_only=True) as checkpointer:
-        from olmo_eqx.models.olmo3 import abstract_model
+        from olmo_eqx.models.registry import abstract_model
 
         model = checkpointer.restore_model(target=abstract_model(checkpointer.stored_model_config()))
     save_hf(model, tmp_path / "hf")

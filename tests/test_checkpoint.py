@@ -250,7 +250,7 @@ def test_export_hf(reference, tmp_path):
     assert (out / "config.json").exists()
     model = hf.load_hf(out, padded_vocab_size=TINY.padded_vocab_size)
     checkpointer = Checkpointer(reference["dir"])
-    from olmo_eqx.models.olmo3 import abstract_model
+    from olmo_eqx.models.registry import abstract_model
 
     saved = checkpointer.restore_model(target=abstract_model(TINY))
     checkpointer.close()

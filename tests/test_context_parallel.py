@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from olmo_eqx.batch import TokenBatch, document_layout
 from olmo_eqx.models.config import ModelConfig
-from olmo_eqx.models.olmo3 import OLMo, unconstrained
+from olmo_eqx.models.base import unconstrained
+from olmo_eqx.models.olmo3 import OLMo
 from olmo_eqx.sharding import ActivationSharding, MeshConfig, make_mesh
 from olmo_eqx.train.step import model_loss_sums
 

@@ -12,7 +12,7 @@ from safetensors.flax import load_file, save_file
 
 from olmo_eqx import OLMo, ZOO, count_params, flops_per_token, get_model_config, load_hf, save_hf, with_config
 from olmo_eqx.hf import HFCheckpointError
-from olmo_eqx.models.olmo3 import logical_axes
+from olmo_eqx.models.base import logical_axes
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import olmo_eqx.train.step as train_step_module
-from olmo_eqx.models.olmo3 import unconstrained
+from olmo_eqx.models.base import unconstrained
 from olmo_eqx.plan import collective_traffic, plan
 
 # olmo3_tiny at a fixed per-device batch of 2 sequences of 128 tokens.

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from olmo_eqx.models.config import ModelConfig
-from olmo_eqx.models.olmo3 import LogicalAxes
+from olmo_eqx.models.base import LogicalAxes
 from olmo_eqx.sharding import (
     MeshConfig,
     ShardingRules,

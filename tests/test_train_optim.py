@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from olmo_eqx.models.config import ModelConfig
-from olmo_eqx.models.olmo3 import abstract_model
+from olmo_eqx.models.registry import abstract_model
 from olmo_eqx.train.optim import OptimConfig, apply_updates, decay_mask, make_optimizer
 from olmo_eqx.train.schedules import ScheduleConfig, make_schedule
 

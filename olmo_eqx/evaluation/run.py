@@ -33,7 +33,7 @@ from olmo_eqx.evaluation.requests import Task, default_tasks_dir, read_task
 from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
 from olmo_eqx.evaluation.settings import CompareSettings, EvalSettings
 from olmo_eqx.evaluation.tokens import TextTokenizer
-from olmo_eqx.models.olmo3 import OLMo
+from olmo_eqx.models.base import CausalLM
 from olmo_eqx.run_dir import RunDir
 from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
 from olmo_eqx.warm_start import load_model, locate, stored_model_config, stored_run_config, with_runtime_fields
@@ -67,7 +67,7 @@ class Subject:
 
     name: str
     location: CheckpointLocation  # where it was loaded from
-    model: OLMo
+    model: CausalLM
     tokenizer: Optional[TextTokenizer]
 
 

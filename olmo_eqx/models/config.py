@@ -34,6 +34,9 @@ class ModelConfig:
     """
 
     name: str = "olmo3_tiny"
+    # Which module of the zoo this is (`olmo_eqx.models.registry.ARCHITECTURES`): "olmo3" is
+    # the OLMo 2 / OLMo 3 decoder (OLMo 2: sliding_window=None).
+    architecture: str = "olmo3"
     vocab_size: int = 4096
     # Rows of the embedding and output head; a multiple of 128 for fast matmuls. Logits are
     # returned over `vocab_size` only, so padding never changes the model's predictions.

@@ -21,9 +21,7 @@ decide the layout: the embedding output, every block's output, attention's q/k/v
 the MLP's hidden layer and the logits. Without it (one device, tests) nothing is pinned.
 """
 
-import dataclasses
 import math
-from collections.abc import Callable
 from typing import Optional
 
 import equinox as eqx
@@ -34,24 +32,13 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import HEADS, KV_HEADS, AttentionMask, attend, sequence_sharded
+from .base import CausalLM, Constrain, unconstrained
+from .base import axes as _axes
 from .config import ModelConfig
-
-# Pins an activation to its layout: constrain(x, logical axis names of x's dimensions) -> x.
-Constrain = Callable[[Array, tuple[str, ...]], Array]
-
-
-def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
-    """The `Constrain` of a single device or no mesh: leave layout to the compiler."""
-    return x
 
 
 # Logical axes of the activations the model pins (see `olmo_eqx.sharding.ShardingRules`).
 HIDDEN = ("batch", "sequence", "act_embed")
-
-
-def _axes(*names: str):
-    """A module field holding an array whose dimensions have these logical names."""
-    return eqx.field(metadata={"axes": names})
 
 
 def dense(
@@ -325,7 +312,7 @@ _REMAT_POLICIES = {
 }
 
 
-class OLMo(eqx.Module):
+class OLMo(CausalLM):
     """An OLMo 2 / OLMo 3 causal language model: token ids in, float32 logits out."""
 
     embed: Float[Array, "padded_vocab d_model"] = _axes("vocab", "embed")
@@ -344,22 +331,6 @@ class OLMo(eqx.Module):
         self.blocks = eqx.filter_vmap(make_block)(jax.random.split(k_blocks, config.n_layers))
         self.final_norm = RMSNorm(config.d_model, config.rms_norm_eps, dtype)
         self.lm_head = _truncated_normal(k_head, (config.d_model, config.padded_vocab_size), config.init_std, dtype)
-
-    def __call__(
-        self,
-        tokens: Int[Array, "batch seq"],
-        positions: Optional[Int[Array, "batch seq"]] = None,
-        *,
-        segment_ids: Optional[Int[Array, "batch seq"]] = None,
-        constrain: Constrain = unconstrained,
-    ) -> Float[Array, "batch seq vocab"]:
-        """Logits over the real vocabulary (float32). Training uses `hidden_states` + a chunked loss.
-
-        `positions` (RoPE) default to 0 .. seq-1 on every row; `segment_ids` (packed
-        documents) restrict attention to tokens of the same document.
-        """
-        hidden = self.hidden_states(tokens, positions, segment_ids=segment_ids, constrain=constrain)
-        return self.logits(hidden, constrain=constrain)
 
     def hidden_states(
         self,
@@ -412,53 +383,3 @@ class OLMo(eqx.Module):
             logits = constrain(logits, ("batch", "sequence", "act_vocab"))
         # Padding rows exist for matmul alignment only; they never enter a prediction.
         return logits[..., : self.config.vocab_size]
-
-
-# ---------------------------------------------------------------------------------------------
-# Introspection: parameter counts and logical axes, computed without allocating weights.
-
-
-def abstract_model(config: ModelConfig) -> OLMo:
-    """The model's structure with `jax.ShapeDtypeStruct` leaves; allocates nothing."""
-    return eqx.filter_eval_shape(OLMo, config, key=jax.random.key(0))
-
-
-def count_params(config: ModelConfig) -> int:
-    leaves = jax.tree.leaves(abstract_model(config))
-    return sum(math.prod(leaf.shape) for leaf in leaves)
-
-
-class LogicalAxes(tuple):
-    """Names of an array's dimensions (a pytree leaf, like `PartitionSpec`)."""
-
-
-def logical_axes(model: OLMo) -> OLMo:
-    """A pytree shaped like `model` whose leaves are the `LogicalAxes` of each array.
-
-    Stacked blocks get a leading "layers" axis. Works on abstract models too.
-    """
-
-    def axes_of(path, _leaf) -> LogicalAxes:
-        node, stacked, metadata = model, False, {}
-        for entry in path:
-            field = next(f for f in dataclasses.fields(node) if f.name == entry.name)
-            metadata = field.metadata
-            stacked = stacked or metadata.get("stacked", False)
-            node = getattr(node, entry.name)
-        return LogicalAxes((("layers",) if stacked else ()) + tuple(metadata["axes"]))
-
-    return jax.tree_util.tree_map_with_path(axes_of, model)
-
-
-def with_config(model: OLMo, **changes) -> OLMo:
-    """The same weights under a config with `changes` (e.g. attention_impl, compute_dtype, remat).
-
-    Only settings that leave every parameter's shape unchanged are allowed.
-    """
-    config = dataclasses.replace(model.config, **changes)
-    target = abstract_model(config)
-    old_shapes = [leaf.shape for leaf in jax.tree.leaves(model)]
-    new_shapes = [leaf.shape for leaf in jax.tree.leaves(target)]
-    if old_shapes != new_shapes:
-        raise ValueError(f"with_config({changes}) changes parameter shapes; build a new model instead")
-    return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(model))

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..models.olmo3 import Constrain, dense, unconstrained
+from ..models.base import Constrain, unconstrained
+from ..models.olmo3 import dense
 
 
 class LossSums(NamedTuple):

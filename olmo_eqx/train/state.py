@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ..models.config import ModelConfig
-from ..models.olmo3 import OLMo, abstract_model
+from ..models.base import CausalLM
+from ..models.registry import abstract_model, build_model
 from ..sharding import ShardingRules, train_state_shardings, with_shardings
 from .optim import OptimConfig, make_optimizer
 
@@ -28,7 +29,7 @@ class TrainState(eqx.Module):
     slots are filled (at most `window`).
     """
 
-    model: OLMo
+    model: CausalLM
     opt_state: PyTree
     step: Int[Array, ""]
     loss_history: Float[Array, " window"]
@@ -39,7 +40,7 @@ class TrainState(eqx.Module):
         return eqx.tree_at(lambda s: [getattr(s, k) for k in changes], self, list(changes.values()))
 
 
-def new_train_state(model: OLMo, optimizer: optax.GradientTransformation, window: int) -> TrainState:
+def new_train_state(model: CausalLM, optimizer: optax.GradientTransformation, window: int) -> TrainState:
     """A fresh state around `model` (step 0, empty statistics)."""
     window = max(int(window), 1)
     return TrainState(
@@ -56,7 +57,7 @@ def abstract_train_state(model_config: ModelConfig, optim_config: OptimConfig) -
     """The state's structure with `jax.ShapeDtypeStruct` leaves (no shardings); allocates nothing."""
     optimizer = make_optimizer(optim_config)
     return eqx.filter_eval_shape(
-        lambda: new_train_state(OLMo(model_config, key=jax.random.key(0)), optimizer, optim_config.skip_step_window)
+        lambda: new_train_state(build_model(model_config, key=jax.random.key(0)), optimizer, optim_config.skip_step_window)
     )
 
 
@@ -92,7 +93,7 @@ def _jitted_init(model_config: ModelConfig, optim_config: OptimConfig, mesh: Mes
     shardings = train_state_shardings(abstract_train_state(model_config, optim_config), mesh, rules)
 
     def init(key):
-        return new_train_state(OLMo(model_config, key=key), optimizer, optim_config.skip_step_window)
+        return new_train_state(build_model(model_config, key=key), optimizer, optim_config.skip_step_window)
 
     return jax.jit(init, out_shardings=shardings)
 

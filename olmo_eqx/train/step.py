@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ..batch import TokenBatch, as_token_batch
-from ..models.olmo3 import OLMo
+from ..models.base import CausalLM
 from ..sharding import ShardingRules, activation_sharding, model_shardings, train_state_shardings
 from .loss import LossSums, chunked_loss_sums, objective, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
@@ -114,7 +114,7 @@ def skip_step(
     }
 
 
-def model_loss_sums(model: OLMo, batch: TokenBatch, constrain) -> LossSums:
+def model_loss_sums(model: CausalLM, batch: TokenBatch, constrain) -> LossSums:
     """The training loss of `model` on a batch: hidden states, then the chunked head + loss."""
     hidden = model.hidden_states(batch.input_ids, batch.positions, segment_ids=batch.segment_ids, constrain=constrain)
     config = model.config

@@ -1,0 +1,97 @@
+"""What every model of the zoo is: the interface the trainer, evaluation and sharding rely on.
+
+A zoo model is an Equinox module that maps token ids to the final-normed hidden states and
+those to float32 logits, declares the logical axes of every array field (`axes(...)`) so the
+sharding rules can place it, and carries its `ModelConfig` as a static field. Training calls
+`hidden_states` and runs the (chunked) loss on the head itself; evaluation calls the model.
+Architectures register in `olmo_eqx.models.registry`.
+"""
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import Optional
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int
+
+from .config import ModelConfig
+
+# Pins an activation to its layout: constrain(x, logical axis names of x's dimensions) -> x.
+Constrain = Callable[[Array, tuple[str, ...]], Array]
+
+
+def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
+    """The `Constrain` of a single device or no mesh: leave layout to the compiler."""
+    return x
+
+
+def axes(*names: str):
+    """A module field holding an array whose dimensions have these logical names."""
+    return eqx.field(metadata={"axes": names})
+
+
+class LogicalAxes(tuple):
+    """Names of an array's dimensions (a pytree leaf, like `PartitionSpec`)."""
+
+
+class CausalLM(eqx.Module):
+    """A causal language model of the zoo: token ids in, float32 logits over the vocabulary out."""
+
+    config: eqx.AbstractVar[ModelConfig]
+
+    @abc.abstractmethod
+    def hidden_states(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        """The final-normed hidden states, which `logits` turns into logits."""
+
+    @abc.abstractmethod
+    def logits(
+        self, hidden: Float[Array, "*batch d_model"], *, constrain: Constrain = unconstrained
+    ) -> Float[Array, "*batch vocab"]:
+        """Float32 logits over the real vocabulary (padding rows of the head never predict)."""
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq vocab"]:
+        """Logits over the real vocabulary (float32). Training uses `hidden_states` + a chunked loss.
+
+        `positions` (RoPE) default to 0 .. seq-1 on every row; `segment_ids` (packed
+        documents) restrict the model to tokens of the same document.
+        """
+        hidden = self.hidden_states(tokens, positions, segment_ids=segment_ids, constrain=constrain)
+        return self.logits(hidden, constrain=constrain)
+
+
+def logical_axes(model: eqx.Module) -> eqx.Module:
+    """A pytree shaped like `model` whose leaves are the `LogicalAxes` of each array.
+
+    Fields marked `stacked` (a leading layer axis) get a leading "layers" axis. Works on
+    abstract models too.
+    """
+
+    def axes_of(path, _leaf) -> LogicalAxes:
+        node, stacked, metadata = model, False, {}
+        for entry in path:
+            if isinstance(entry, jax.tree_util.SequenceKey):  # a tuple of sub-modules
+                node = node[entry.idx]
+                continue
+            field = next(f for f in dataclasses.fields(node) if f.name == entry.name)
+            metadata = field.metadata
+            stacked = stacked or metadata.get("stacked", False)
+            node = getattr(node, entry.name)
+        return LogicalAxes((("layers",) if stacked else ()) + tuple(metadata["axes"]))
+
+    return jax.tree_util.tree_map_with_path(axes_of, model)
