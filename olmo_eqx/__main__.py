@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
 from olmo_eqx.errors import RunError
-from olmo_eqx.run_dir import SUMMARY_FILE, remove_if_new_and_empty
+from olmo_eqx.run_dir import SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
 from olmo_eqx.sweep import ERROR_FILE
 
@@ -144,6 +144,7 @@ def main() -> None:
         if refusal is None:
             raise
         print(f"error: {refusal}", file=sys.stderr)
+        remove_new_sweep_dirs_left_unused()
         sys.exit(2)
 
 

@@ -128,12 +128,34 @@ class NoteNewRunDir(Callback):
     a refused invocation can remove the directory Hydra made for it."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        path = top = Path(str(config.hydra.run.dir)).resolve()
-        if path.exists():
-            return
-        while not top.parent.exists():
-            top = top.parent
-        _new_run_dirs[path] = top
+        _note_if_new(Path(str(config.hydra.run.dir)))
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _note_if_new(Path(str(config.hydra.sweep.dir)), sweep=True)
+
+
+# Sweep dirs this invocation created (Hydra writes multirun.yaml there before any job runs).
+_new_sweep_dirs: set[Path] = set()
+
+
+def _note_if_new(path: Path, sweep: bool = False) -> None:
+    path = top = path.resolve()
+    if path.exists():
+        return
+    while not top.parent.exists():
+        top = top.parent
+    _new_run_dirs[path] = top
+    if sweep:
+        _new_sweep_dirs.add(path)
+
+
+def remove_new_sweep_dirs_left_unused() -> None:
+    """After a sweep refused before any job ran (a typo'd key): remove the sweep dir this
+    invocation created if it holds only Hydra's multirun.yaml."""
+    for path in list(_new_sweep_dirs):
+        if path.is_dir() and {p.name for p in path.iterdir()} <= {"multirun.yaml"}:
+            (path / "multirun.yaml").unlink(missing_ok=True)
+            _remove_with_new_parents(path)
 
 
 def remove_if_new_and_empty(path: Path) -> bool:
@@ -146,14 +168,22 @@ def remove_if_new_and_empty(path: Path) -> bool:
     entries = list(path.iterdir())
     if any(p.name not in _HYDRA_FILES for p in entries) or any(p.is_file() and p.stat().st_size for p in entries):
         return False
-    top = _new_run_dirs[path]
     shutil.rmtree(path)
-    while path != top:  # the parents made for it, if nothing else has landed there since
+    _remove_with_new_parents(path)
+    return True
+
+
+def _remove_with_new_parents(path: Path) -> None:
+    """Remove `path` (gone or empty) and the parents this invocation made for it, if nothing
+    else has landed there since."""
+    top = _new_run_dirs[path]
+    if path.is_dir():
+        path.rmdir()
+    while path != top:
         path = path.parent
         if any(path.iterdir()):
             break
         path.rmdir()
-    return True
 
 
 # Stages whose output belongs to the model they read (checkpoint.load), not to a new run.

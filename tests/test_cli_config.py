@@ -45,6 +45,15 @@ def test_bad_config_fails_before_work_in_one_line_naming_the_key(tmp_path, overr
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_sweep_refused_before_any_job_leaves_no_sweep_dir(tmp_path):
+    sweep_dir = tmp_path / "multirun" / "sweep"
+    result = olmo_eqx("-m", *TINY, "trainer.stepz=3,4", f"hydra.sweep.dir={sweep_dir}")
+    assert result.returncode == 2
+    assert "trainer.stepz" in result.stderr and "Traceback" not in result.stderr
+    # Hydra had written multirun.yaml there before composing the first job.
+    assert not (tmp_path / "multirun").exists()
+
+
 def test_default_config_is_the_zoo_tiny_model_and_the_recipe():
     config = compose_config(["+stage=pretrain"])
     assert config.model == get_model_config("olmo3_tiny")
