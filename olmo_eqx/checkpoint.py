@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .checkpoint_digests import DigestMismatch, digest_files, has_digests, verify_digests, write_digests
-from .checkpoint_pins import pinned_steps
+from .checkpoint_pins import pinned_steps, pins_locked
 from .checkpoint_retention import steps_to_delete
 from .checkpoint_storage import CheckpointSaveError, os_reason
 from .models.config import ModelConfig, YarnConfig
@@ -395,15 +395,16 @@ class Checkpointer:
             return
         steps = self._list_steps()
         sealed = {s for s in steps if has_digests(self._local / str(s))}
-        protected = self.protected | pinned_steps(self._local)  # and what readers are reading
-        for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, protected):
-            # Renamed first, so a kill mid-delete never leaves a step that looks complete.
-            doomed = self._local / f".deleting-{step}"
-            (self._local / str(step)).rename(doomed)
-            if step in pinned_steps(self._local):  # a reader pinned it meanwhile: it stays
-                doomed.rename(self._local / str(step))
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
+        doomed = []
+        # Under the pins' lock: a reader's pin is seen here, or written once its step is gone.
+        with pins_locked(self._local):
+            protected = self.protected | pinned_steps(self._local)  # and what readers are reading
+            for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, protected):
+                # Renamed first, so a kill mid-delete never leaves a step that looks complete.
+                doomed.append(self._local / f".deleting-{step}")
+                (self._local / str(step)).rename(doomed[-1])
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
         self._manager.reload()
 
     # -- restore -----------------------------------------------------------------------------

@@ -7,9 +7,16 @@ The writer's retention skips a step with a live pin: one whose process is still 
 this host, or, from another host (whose processes it cannot see), one younger than
 `REMOTE_PIN_HOURS`. A reader pins before it reads and then checks the step is still complete;
 if retention removed it in between, it takes the newest complete step and says so.
+
+Writing a pin and retention's read-pins-then-remove hold one lock (`pins/.lock`, flock), so a
+pin is either seen by retention or written after the step is gone: a reader that found its step
+complete after pinning keeps it. (On a filesystem without flock the lock is a no-op and the
+window between the two is back to retention's rename-then-recheck.)
 """
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -32,14 +39,33 @@ def _release_all() -> None:
 atexit.register(_release_all)
 
 
+@contextlib.contextmanager
+def pins_locked(directory: Path):
+    """Hold the pins' lock of the checkpoints dir `directory` (see the module docstring)."""
+    pins = Path(directory) / PIN_DIR
+    try:
+        pins.mkdir(exist_ok=True)
+        handle = open(pins / ".lock", "a")
+    except OSError:  # read-only: nobody can pin or prune here
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no flock on this filesystem
+        yield
+
+
 def pin(directory: Path, step: int) -> Optional[Path]:
     """Pin `step` of the checkpoints dir `directory` until `unpin` or this process's exit;
     None where the directory is not writable (a read-only copy has no retention to fear)."""
     host, pid = os.uname().nodename, os.getpid()
     path = Path(directory) / PIN_DIR / f"{step}.{host}.{pid}"
     try:
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"step": step, "host": host, "pid": pid}) + "\n")
+        with pins_locked(directory):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps({"step": step, "host": host, "pid": pid}) + "\n")
     except OSError:
         return None
     _held.add(path)
@@ -59,6 +85,8 @@ def pinned_steps(directory: Path) -> set[int]:
         return set()
     steps, host = set(), os.uname().nodename
     for path in pins.iterdir():
+        if path.name.startswith("."):
+            continue  # the lock
         try:
             pinned = json.loads(path.read_text())
             step, pin_host, pid = int(pinned["step"]), pinned["host"], int(pinned["pid"])

@@ -244,6 +244,28 @@ def test_a_reader_of_a_live_run_pins_its_step_or_falls_back_saying_so(tmp_path, 
     writer.close()
 
 
+def test_a_pin_written_during_retention_waits_for_it(tmp_path):
+    """Retention reads the pins and renames its victims under the pins' lock: a reader pinning
+    meanwhile waits, so its pin is either seen or written after the step is gone (and the
+    reader's completeness check then falls back)."""
+    import threading
+
+    from olmo_eqx.checkpoint_pins import pin, pinned_steps, pins_locked, unpin
+
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    pinned = []
+    with pins_locked(directory):  # what Checkpointer._prune holds
+        reader = threading.Thread(target=lambda: pinned.append(pin(directory, 7)))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and pinned_steps(directory) == set()
+    reader.join(10)
+    assert not reader.is_alive() and pinned_steps(directory) == {7}
+    unpin(pinned[0])
+    assert pinned_steps(directory) == set()
+
+
 def test_export_hf(reference, tmp_path):
     hf = pytest.importorskip("olmo_eqx.hf")
     out = Path(export_hf(reference["dir"], tmp_path / "hf")["out"])
