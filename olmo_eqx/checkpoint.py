@@ -397,12 +397,16 @@ class Checkpointer:
         sealed = {s for s in steps if has_digests(self._local / str(s))}
         doomed = []
         # Under the pins' lock: a reader's pin is seen here, or written once its step is gone.
-        with pins_locked(self._local):
+        with pins_locked(self._local, create=False):
             protected = self.protected | pinned_steps(self._local)  # and what readers are reading
             for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, protected):
                 # Renamed first, so a kill mid-delete never leaves a step that looks complete.
-                doomed.append(self._local / f".deleting-{step}")
-                (self._local / str(step)).rename(doomed[-1])
+                path = self._local / f".deleting-{step}"
+                (self._local / str(step)).rename(path)
+                if step in pinned_steps(self._local):  # pinned meanwhile (no lock held yet): it stays
+                    path.rename(self._local / str(step))
+                    continue
+                doomed.append(path)
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         self._manager.reload()

@@ -40,13 +40,17 @@ atexit.register(_release_all)
 
 
 @contextlib.contextmanager
-def pins_locked(directory: Path):
-    """Hold the pins' lock of the checkpoints dir `directory` (see the module docstring)."""
+def pins_locked(directory: Path, create: bool = True):
+    """Hold the pins' lock of the checkpoints dir `directory` (see the module docstring).
+
+    Retention passes `create=False`: a run nobody has read keeps no `pins/` dir. A reader that
+    creates it meanwhile is caught by retention's recheck after its rename."""
     pins = Path(directory) / PIN_DIR
     try:
-        pins.mkdir(exist_ok=True)
+        if create:
+            pins.mkdir(exist_ok=True)
         handle = open(pins / ".lock", "a")
-    except OSError:  # read-only: nobody can pin or prune here
+    except OSError:  # read-only, or no reader yet: nobody to wait for
         yield
         return
     with handle:

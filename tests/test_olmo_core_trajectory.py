@@ -31,8 +31,14 @@ SCHEDULE = ScheduleConfig(name="cosine", warmup_steps=4, final_lr_ratio=0.1)
 # float32 ulp apart drifts as far over 40 steps as it does from us (scripts/olmo_core_parity.py).
 # OLMo-core's side without z-loss: loss 2.0e-6, weights 5.1e-4 (the embedding); with its
 # embedding decayed: weights 9.0e-4 (the embedding).
+# The spike's own loss (a batch of one token repeated; its update skipped on both sides) is held
+# apart: with z-loss on, its loss differed by 1.2e-7 on one machine and by 2.0e-6 on another
+# (2026-12-04; every other step there within 3.5e-7, and the steps after the spike within
+# 2.4e-7, so no weight saw it). On that machine OLMo-core's side without z-loss reached 8.3e-7
+# on ordinary steps: LOSS_RTOL still catches a dropped z-loss, and the weights bound by far.
 LR_RTOL = 1e-6
 LOSS_RTOL = 5e-7
+SPIKE_LOSS_RTOL = 5e-6
 GRAD_NORM_RTOL = 1e-5
 WEIGHTS_RTOL = 2e-5
 
@@ -57,9 +63,13 @@ def test_the_planted_spike_and_only_it_is_skipped_on_both_sides(run):
 
 @pytest.mark.parametrize("metric, rtol", [("losses", LOSS_RTOL), ("grad_norms", GRAD_NORM_RTOL)])
 def test_every_step_matches_olmo_core(run, metric, rtol):
-    diff = run.max_relative("run", metric)
-    print(f"max relative {metric} difference {diff:.2e}")
-    assert diff <= rtol
+    ours, reference = (np.asarray(getattr(side["run"], metric)) for side in (run.ours, run.torch))
+    relative = np.abs(ours - reference) / np.abs(reference)
+    spike = relative[SPIKE_AT] if metric == "losses" else 0.0
+    if metric == "losses":
+        relative = np.delete(relative, SPIKE_AT)
+    print(f"max relative {metric} difference {relative.max():.2e} (the spike's loss: {spike:.2e})")
+    assert relative.max() <= rtol and spike <= SPIKE_LOSS_RTOL
 
 
 def test_final_weights_match_olmo_core(run):
