@@ -63,6 +63,26 @@ def test_quiet_on_normal_runs(train, heldout):
     assert feed(GapAlarm(), train, heldout) == []
 
 
+def noisy_small_batch(seed, train_fall_per_step, heldout_fall_per_eval, steps_per_eval=50, evals=6):
+    """Step losses spread as with 2 sequences a step (standard deviation 0.1 around the trend)."""
+    alarm, rng, fired = GapAlarm(), np.random.default_rng(seed), []
+    for i in range(evals):
+        for j in range(steps_per_eval):
+            alarm.train_loss(3.0 - train_fall_per_step * (i * steps_per_eval + j) + 0.1 * rng.standard_normal())
+        record = alarm.heldout((i + 1) * steps_per_eval, 3.3 - heldout_fall_per_eval * i)
+        fired += [record] if record else []
+    return fired
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_small_batch_noise_alone_does_not_fire_but_memorising_through_it_does(seed):
+    # Both curves fall 0.04 a window (the README's long-context stage): quiet, whatever the draw.
+    assert noisy_small_batch(seed, train_fall_per_step=0.04 / 150, heldout_fall_per_eval=0.04 / 3) == []
+    # Training falls 0.5 a window through the same noise while held-out stays flat: fires.
+    fired = noisy_small_batch(seed, train_fall_per_step=0.5 / 150, heldout_fall_per_eval=0.0)
+    assert fired and fired[0]["gap_alarm"]["train_drop_se"] > 0
+
+
 def test_evaluations_without_training_between_are_ignored():
     alarm = GapAlarm(GapAlarmConfig(window=2))
     assert alarm.heldout(0, 7.0) is None  # e.g. a resume that has nothing left to train
