@@ -5,7 +5,9 @@ training instances. Labels travel with every instance so metrics can be split pe
 
 OLMo-core's manifests (`data/mixes/*.txt`) hold one `label,relative/path/{TOKENIZER}/part.npy`
 per line; the path is relative to a data root and `{TOKENIZER}` names the tokenizer's
-directory (e.g. `allenai/dolma2-tokenizer`).
+directory (e.g. `allenai/dolma2-tokenizer`). A data root or a path may be a URL (`http(s)://`,
+`s3://`, `gs://`: `olmo_eqx.data.remote`); URLs are kept as strings, never as `Path`s (which
+would fold `//`).
 """
 
 import glob
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 
+from olmo_eqx.data.remote import is_url
 from olmo_eqx.data.token_files import DataFileError
 
 TOKENIZER_PLACEHOLDER = "{TOKENIZER}"
@@ -24,7 +27,7 @@ class Source:
     """A labelled list of token files; `ratio` is its target share of the mix (None: natural size)."""
 
     label: str
-    paths: tuple[Path, ...]
+    paths: tuple[Path | str, ...]  # str: a URL
     ratio: float | None = None
 
     def __post_init__(self):
@@ -34,8 +37,15 @@ class Source:
             raise DataFileError(f"data source {self.label!r}: ratio must be > 0, got {self.ratio}")
 
 
-def _expand(path_or_glob: str | os.PathLike) -> list[Path]:
+def _expand(path_or_glob: str | os.PathLike) -> list[Path | str]:
     text = os.fspath(path_or_glob)
+    if is_url(text):
+        if glob.has_magic(text):
+            raise DataFileError(
+                f"{text!r}: a glob cannot be expanded at a URL (HTTP has no listing); list the files in a "
+                "mix manifest (data.source=mix.txt, data.data_root=URL)"
+            )
+        return [text]
     if glob.has_magic(text):
         matches = sorted(glob.glob(text, recursive=True))
         if not matches:
@@ -69,12 +79,9 @@ def read_mix(
     if not manifest.is_file():
         raise DataFileError(f"mix manifest {manifest} does not exist")
     root = os.fspath(data_root)
-    if "://" in root:
-        raise DataFileError(
-            f"data root {root!r} is a URL; olmo_eqx reads local (or mounted) files only: "
-            "download or mount the token files and pass that directory"
-        )
-    by_label: dict[str, list[Path]] = {}
+    if "://" in root and not is_url(root):
+        raise DataFileError(f"data root {root!r}: the URL schemes read are http(s)://, s3:// and gs://")
+    by_label: dict[str, list[Path | str]] = {}
     for line_no, raw in enumerate(manifest.read_text().splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -85,7 +92,8 @@ def read_mix(
                 f"{manifest}:{line_no}: expected `label,relative/path/{TOKENIZER_PLACEHOLDER}/part.npy`, got {raw!r}"
             )
         rel_path = rel_path.strip().replace(TOKENIZER_PLACEHOLDER, tokenizer)
-        by_label.setdefault(label.strip(), []).append(Path(root) / rel_path)
+        path = f"{root.rstrip('/')}/{rel_path.lstrip('/')}" if is_url(root) else Path(root) / rel_path
+        by_label.setdefault(label.strip(), []).append(path)
     if not by_label:
         raise DataFileError(f"mix manifest {manifest} lists no files")
     ratios = dict(ratios or {})
