@@ -4,8 +4,8 @@ Serves a directory on 127.0.0.1 with HEAD, single `Range: bytes=a-b` GETs (206 w
 Content-Range), and GCS's JSON API paths (`/storage/v1/b/B/o/O` metadata and
 `/download/storage/v1/b/B/o/O?alt=media`, the object being the file B/O), so `gs://` URLs can
 be served with `STORAGE_EMULATOR_HOST`. Faults are injectable while it runs: a latency per
-request, a fraction of answers that are 503, paths answering 404, and stop / restart on the
-same port (a server killed mid-run).
+request, a fraction of answers that are 503, paths answering 404, a server that dies after
+a given number of requests (killed mid-run), and stop / restart on the same port.
 """
 
 import json
@@ -22,7 +22,10 @@ class RangeServer:
         self.root = Path(root)
         self.latency_s, self.error_rate = latency_s, error_rate
         self.missing: set[str] = set()  # paths answered with 404
+        self.ignore_ranges = False  # answer range requests with the whole file (200)
+        self.dies_after: int | None = None  # from this many requests on, cut every connection unanswered
         self.requests = 0
+        self.size_requests = 0  # HEADs and GCS metadata GETs
         self.errors_sent = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -73,11 +76,13 @@ class RangeServer:
             handler.wfile.write(body)
 
     def _answer(self, handler, head: bool) -> None:
-        if self._server is None:  # stopped: cut the kept-alive connection
+        with self._lock:
+            dead = self._server is None or (self.dies_after is not None and self.requests >= self.dies_after)
+            self.requests += 1
+        if dead:  # stopped, or killed: cut the connection without an answer
             handler.close_connection = True
             return
         with self._lock:
-            self.requests += 1
             fail = self.error_rate and self._rng.random() < self.error_rate
             self.errors_sent += bool(fail)
         if self.latency_s:
@@ -95,6 +100,9 @@ class RangeServer:
         if path in self.missing or not file.is_file():
             return self._send(handler, 404, b"not found", head=head)
         size = file.stat().st_size
+        if metadata or head:
+            with self._lock:
+                self.size_requests += 1
         if metadata:
             return self._send(handler, 200, json.dumps({"size": str(size)}).encode(), head=head)
         if head:
@@ -103,7 +111,7 @@ class RangeServer:
             handler.end_headers()
             return
         spec = handler.headers.get("Range")
-        if not spec:
+        if not spec or self.ignore_ranges:
             return self._send(handler, 200, file.read_bytes())
         start, _, end = spec.removeprefix("bytes=").partition("-")
         start, end = int(start), min(int(end), size - 1)

@@ -168,7 +168,7 @@ class InstanceDataset:
         self._file_starts: list[np.ndarray] = []  # per source: cumulative instance counts, first 0
         self._file_offsets: list[int] = []  # per source: index of its first file in self.files
         urls = [p for s in self.sources for p in s.paths if is_url(p)]
-        self.reader = reader if reader is not None or not urls else RemoteReader()
+        self.reader = (reader or RemoteReader()) if urls else None  # local files need none
         # All sizes at once, concurrently: a 950-file mix would otherwise wait on 950 round trips.
         self.remote_sizes = self.reader.sizes(urls, sizes or {}) if urls else {}
         natural = []

@@ -318,7 +318,7 @@ class RemoteReader:
                 raise RemoteFileError(f"token file {url}: {e}") from None
         raise RemoteFileError(
             f"token file {url}: {what} failed {policy.attempts} times, last with {last}: the server is unreachable "
-            "or overloaded; the checkpoints are intact, rerun to resume when it answers"
+            "or overloaded; rerun to resume when it answers"
         ) from None
 
     def size(self, url: str) -> int:
