@@ -252,3 +252,25 @@ def test_gs_urls_through_a_storage_emulator(corpus, http, monkeypatch):
     before = http.size_requests
     InstanceDataset(read_mix(manifest, "gs://olmo/data", TOKENIZER), SEQ, VOCAB, sizes=remote.remote_sizes)
     assert http.size_requests == before  # known sizes are not asked for
+
+
+def test_olmo_cores_official_mix_at_its_public_root_without_a_request():
+    """The stage-1 manifest from the installed ai2-olmo-core wheel (read as a file), rooted at
+    AI2's HTTP host: 950 URLs; nothing is fetched until a dataset is built."""
+    import subprocess
+    import sys
+
+    sources = read_mix("olmo_core:OLMo-mix-0925-official.txt", "https://olmo-data.org", TOKENIZER)
+    urls = [p for s in sources for p in s.paths]
+    assert len(urls) == 950 and all(isinstance(u, str) for u in urls)
+    assert urls[0] == ("https://olmo-data.org/preprocessed/dolma3-0625/v0.1-official/allenai/dolma2-tokenizer/"
+                       "common_crawl/adult_content/000000.npy")
+    # Located, never imported (olmo_core imports torch):
+    check = ("import sys; from olmo_eqx.data.mixes import read_mix; "
+             "read_mix('olmo_core:OLMo-mix-0925-official.txt', 'https://olmo-data.org', 'x'); "
+             "assert 'olmo_core' not in sys.modules and 'torch' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", check]).returncode == 0
+    heldout = read_mix("olmo_core:v3-small-ppl-validation.txt", "s3://ai2-llm", TOKENIZER)
+    assert all(p.startswith("s3://ai2-llm/") for s in heldout for p in s.paths)
+    with pytest.raises(DataFileError, match="ai2-olmo-core ships no mix 'nope.txt'"):
+        read_mix("olmo_core:nope.txt", "https://olmo-data.org", TOKENIZER)

@@ -64,6 +64,28 @@ def source_from_paths(
     return Source(label=label, paths=tuple(expanded), ratio=ratio)
 
 
+OLMO_CORE_PREFIX = "olmo_core:"
+
+
+def olmo_core_manifest(name: str) -> Path:
+    """`olmo_core/data/mixes/NAME` of the installed `ai2-olmo-core` wheel, found without
+    importing it (olmo_core imports torch): OLMo-core's mixes, read as the data files they are."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("olmo_core")  # a top-level package: located, not executed
+    if spec is None or not spec.submodule_search_locations:
+        raise DataFileError(
+            f"mix {OLMO_CORE_PREFIX}{name} needs the ai2-olmo-core wheel's manifests: "
+            "pip install --no-deps ai2-olmo-core (its data files only; torch is not needed)"
+        )
+    mixes = Path(list(spec.submodule_search_locations)[0]) / "data" / "mixes"
+    path = mixes / name
+    if not path.is_file():
+        known = sorted(p.name for p in mixes.glob("*.txt"))
+        raise DataFileError(f"ai2-olmo-core ships no mix {name!r}; it has {known}")
+    return path
+
+
 def read_mix(
     manifest: str | os.PathLike,
     data_root: str | os.PathLike,
@@ -73,9 +95,11 @@ def read_mix(
     """Read an OLMo-core mix manifest into sources, one per label, in order of first appearance.
 
     `ratios` maps labels to target shares; give one for every label or none at all.
-    Blank lines and lines starting with `#` are skipped.
+    Blank lines and lines starting with `#` are skipped. `manifest` may be `olmo_core:NAME`, a
+    mix of the installed OLMo-core (`olmo_core_manifest`).
     """
-    manifest = Path(manifest)
+    text = os.fspath(manifest)
+    manifest = olmo_core_manifest(text[len(OLMO_CORE_PREFIX):]) if text.startswith(OLMO_CORE_PREFIX) else Path(text)
     if not manifest.is_file():
         raise DataFileError(f"mix manifest {manifest} does not exist")
     root = os.fspath(data_root)
