@@ -274,3 +274,18 @@ def test_olmo_cores_official_mix_at_its_public_root_without_a_request():
     assert all(p.startswith("s3://ai2-llm/") for s in heldout for p in s.paths)
     with pytest.raises(DataFileError, match="ai2-olmo-core ships no mix 'nope.txt'"):
         read_mix("olmo_core:nope.txt", "https://olmo-data.org", TOKENIZER)
+
+
+def test_a_heldout_manifest_gives_one_set_per_label_at_the_data_root(corpus, http, tmp_path):
+    from olmo_eqx.config import DataConfig
+    from olmo_eqx.data.sources import build_datasets, remote_sizes
+
+    root, manifest = corpus
+    ppl = tmp_path / "ppl.txt"
+    ppl.write_text("c4_en-validation,eval/heldout.npy\nbooks-validation,{TOKENIZER}/part-000.npy\n")
+    data = DataConfig(source=str(manifest), data_root=f"{http.url}/olmo/data", tokenizer=TOKENIZER,
+                      heldout={"v3_small": str(ppl)}, sequence_length=SEQ)
+    train_set, heldout = build_datasets(data, VOCAB)
+    assert [h.name for h in heldout] == ["c4_en-validation", "books-validation"]
+    assert heldout[0].dataset.files[0].path == f"{http.url}/olmo/data/eval/heldout.npy"
+    assert len(remote_sizes(train_set, heldout)) == FILES + 1  # one file shared by both

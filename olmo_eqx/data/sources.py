@@ -52,7 +52,14 @@ def build_datasets(
         train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams,
                                 reader=reader, sizes=known)
     if data.heldout:
-        named = [source_from_paths(name, paths) for name, paths in data.heldout.items()]
+        named = []
+        for name, paths in data.heldout.items():
+            if paths.endswith(".txt"):  # a manifest (OLMo-core's ppl-validation mixes): one set per label
+                if not (data.data_root and data.tokenizer):
+                    raise DataFileError(f"data.heldout.{name}={paths!r} is a mix manifest: set data.data_root and data.tokenizer")
+                named += read_mix(paths, data.data_root, data.tokenizer)
+            else:
+                named.append(source_from_paths(name, paths))
         heldout = heldout_sets(named, seq, vocab_size, reader=reader, sizes=known)
     return train, heldout
 
