@@ -37,6 +37,8 @@ def test_olmo3_7b_stage1_is_the_official_recipe():
 def test_a_recipes_values_can_still_be_overridden_and_shown():
     config = compose_config(["+stage=pretrain", "+recipe=olmo3_7b_stage1", "data.data_root=s3://ai2-llm"])
     assert config.data.data_root == "s3://ai2-llm" and config.trainer.steps == 1_413_814
+    # The planner composes the run's overrides without a stage: the preset is one of them.
+    assert compose_config(["+recipe=olmo3_7b_stage1"]).data.global_batch_size == 512
     shown = olmo_eqx("+stage=pretrain", "+recipe=olmo3_7b_stage1", "--cfg", "job")
     assert shown.returncode == 0, shown.stderr
     assert "steps: 1413814" in shown.stdout and "source: olmo_core:OLMo-mix-0925-official.txt" in shown.stdout

@@ -350,6 +350,16 @@ class RemoteReader:
         fetched = dict(zip(missing, self.pool.map(self.size, missing)))
         return {u: int(known[u]) if u in known else fetched[u] for u in urls}
 
+    def __getstate__(self) -> dict:
+        # Locks, threads and connections do not pickle: a copy in another process opens its own.
+        state = self.__dict__.copy()
+        state.update(_lock=None, _pool=None, _stores={})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
