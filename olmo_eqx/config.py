@@ -80,12 +80,24 @@ class DataConfig:
     reset_positions_per_document: bool = False
     # The EOS id that ends documents; None: the embedded corpus' own, else dolma2's 100257.
     eos_token_id: Optional[int] = None
+    # Token files at URLs (http(s)://, s3://, gs://; docs/data.md "Remote token files"): a
+    # transient failure (5xx, timeout, reset) is retried up to remote_attempts times in all,
+    # after jittered backoffs doubling from remote_backoff_s; each request waits at most
+    # remote_timeout_s; remote_concurrency range requests are kept in flight per process.
+    remote_attempts: int = 8
+    remote_backoff_s: float = 0.1
+    remote_timeout_s: float = 60.0
+    remote_concurrency: int = 64
+    # Batches read ahead of the train step (each one a local batch of int32 tokens in memory).
+    prefetch_batches: int = 2
 
     def __post_init__(self):
         if self.sequence_length < 2:
             raise ValueError(f"sequence_length={self.sequence_length} must be >= 2")
         if self.global_batch_size < 1:
             raise ValueError(f"global_batch_size={self.global_batch_size} must be >= 1")
+        if self.remote_attempts < 1 or self.remote_concurrency < 1 or self.prefetch_batches < 1:
+            raise ValueError("data.remote_attempts, data.remote_concurrency and data.prefetch_batches must be >= 1")
         if self.reset_positions_per_document and not self.document_masking:
             raise ValueError("reset_positions_per_document=true needs document_masking=true")
 

@@ -46,11 +46,13 @@ class HeldOutSet:
 
 
 def heldout_sets(
-    named_sources: Sequence[Source], sequence_length: int, vocab_size: int, dtype: np.dtype | str | None = None
+    named_sources: Sequence[Source], sequence_length: int, vocab_size: int, dtype: np.dtype | str | None = None,
+    **remote,
 ) -> list[HeldOutSet]:
-    """One held-out set per source (its label is the set's name), in the order given."""
+    """One held-out set per source (its label is the set's name), in the order given; `remote`:
+    `InstanceDataset`'s reader and sizes, for sets at URLs."""
     return [
-        HeldOutSet(source.label, InstanceDataset([source], sequence_length, vocab_size, dtype=dtype))
+        HeldOutSet(source.label, InstanceDataset([source], sequence_length, vocab_size, dtype=dtype, **remote))
         for source in named_sources
     ]
 

@@ -20,6 +20,7 @@ from jaxtyping import Bool, Int, Integer
 
 from olmo_eqx.data.mixes import Source
 from olmo_eqx.data.permutation import FeistelPermutation, derive_seed
+from olmo_eqx.data.remote import RemoteReader, is_url, url_tail
 from olmo_eqx.data.token_files import DataFileError, TokenFile, out_of_vocab_error
 
 # OLMo-core's InstanceFilterConfig defaults (used for OLMo 3 32B and MaxText's 7B).
@@ -35,20 +36,24 @@ SAMPLE_PAGES = 8
 PAGE_BYTES = 4096
 
 
-def sample_digest(path: Path, size: int) -> str:
-    """SHA-256 (16 hex digits) of `SAMPLE_PAGES` pages of `path` spread over its `size` bytes."""
+def sample_digest(file: TokenFile) -> str:
+    """SHA-256 (16 hex digits) of `SAMPLE_PAGES` pages of `file` spread over its bytes (range
+    reads when it is remote: its first read also checks that its size is still the recorded one)."""
     h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if size <= SAMPLE_PAGES * PAGE_BYTES:
-            h.update(os.pread(fd, size, 0))
-        else:
-            last = size - PAGE_BYTES
-            for i in range(SAMPLE_PAGES):
-                h.update(os.pread(fd, PAGE_BYTES, last * i // (SAMPLE_PAGES - 1)))
-    finally:
-        os.close(fd)
+    size = file.size
+    if size <= SAMPLE_PAGES * PAGE_BYTES:
+        h.update(file.read_bytes(0, size) if size else b"")
+    else:
+        last = size - PAGE_BYTES
+        for i in range(SAMPLE_PAGES):
+            h.update(file.read_bytes(last * i // (SAMPLE_PAGES - 1), PAGE_BYTES))
     return h.hexdigest()[:16]
+
+
+def file_tail(file: TokenFile) -> str:
+    """The last three components of a file's path or URL: what identifies it in a checkpoint
+    (not the data root, so the same files mounted or served elsewhere match)."""
+    return url_tail(file.path) if file.remote else "/".join(file.path.parts[-3:])
 
 
 def _name(record: Mapping) -> str:
@@ -126,6 +131,8 @@ class InstanceDataset:
         filter_repeated_ngrams: zero the loss mask of instances with a long repeated n-gram.
         check_token_ids: scan every file for ids >= vocab_size now (reads all data once).
             Without it ids are still checked, per instance as `read` fetches it.
+        reader: reads the files given as URLs (`olmo_eqx.data.remote`); one is made when needed.
+        sizes: known sizes of remote files (the run's size cache): no size request for them.
     """
 
     def __init__(
@@ -138,6 +145,8 @@ class InstanceDataset:
         mix_seed: int = 0,
         filter_repeated_ngrams: bool = False,
         check_token_ids: bool = False,
+        reader: RemoteReader | None = None,
+        sizes: Mapping[str, int] | None = None,
     ):
         if sequence_length <= 0:
             raise DataFileError(f"sequence_length must be positive, got {sequence_length}")
@@ -158,9 +167,17 @@ class InstanceDataset:
         self._open_lock = threading.Lock()
         self._file_starts: list[np.ndarray] = []  # per source: cumulative instance counts, first 0
         self._file_offsets: list[int] = []  # per source: index of its first file in self.files
+        urls = [p for s in self.sources for p in s.paths if is_url(p)]
+        self.reader = (reader or RemoteReader()) if urls else None  # local files need none
+        # All sizes at once, concurrently: a 950-file mix would otherwise wait on 950 round trips.
+        self.remote_sizes = self.reader.sizes(urls, sizes or {}) if urls else {}
         natural = []
         for source in self.sources:
-            files = [TokenFile(p, vocab_size, dtype) for p in source.paths]
+            files = [
+                TokenFile(p, vocab_size, dtype, reader=self.reader, size=self.remote_sizes[p]) if is_url(p)
+                else TokenFile(p, vocab_size, dtype)
+                for p in source.paths
+            ]
             if check_token_ids:
                 for f in files:
                     f.check_token_ids()
@@ -212,10 +229,13 @@ class InstanceDataset:
         (computed once, a few files at a time). A checkpoint stores them to name what changed."""
         if self._file_records is None:
             owners = [s.label for s, offset in zip(self.sources, self._file_offsets) for _ in s.paths]
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                samples = list(pool.map(lambda f: sample_digest(f.path, f.path.stat().st_size), self.files))
+            if self.reader is not None:  # remote: many round trips in flight
+                samples = list(self.reader.pool.map(sample_digest, self.files))
+            else:
+                with ThreadPoolExecutor(max_workers=8) as pool:
+                    samples = list(pool.map(sample_digest, self.files))
             self._file_records = [
-                {"source": owner, "file": "/".join(f.path.parts[-3:]), "tokens": f.num_tokens,
+                {"source": owner, "file": file_tail(f), "tokens": f.num_tokens,
                  "dtype": f.dtype.name, "sample": sample}
                 for owner, f, sample in zip(owners, self.files, samples)
             ]
@@ -235,7 +255,7 @@ class InstanceDataset:
         for source, size, offset in zip(self.sources, self.sizes, self._file_offsets):
             h.update(f"|{source.label}:{size}".encode())
             for i, f in enumerate(self.files[offset : offset + len(source.paths)], start=offset):
-                tail = "/".join(f.path.parts[-3:])
+                tail = file_tail(f)
                 h.update(f";{tail}:{f.num_tokens}:{f.dtype.name}".encode())
                 if content:
                     h.update(f":{self.file_records()[i]['sample']}".encode())
@@ -293,15 +313,20 @@ class InstanceDataset:
         """Token ids (int32) and loss mask of the given instances, in the given order."""
         file_index, offset = self.locate(instance_ids)
         out = np.empty((len(file_index), self.sequence_length), dtype=np.int32)
-        for row, (f, start) in enumerate(zip(file_index.tolist(), offset.tolist())):
-            out[row] = self._tokens(f)[start : start + self.sequence_length]
+        rows = list(zip(file_index.tolist(), offset.tolist()))
+        if self.reader is not None:  # one range request per row, all of them in flight together
+            for row, tokens in enumerate(self.reader.pool.map(lambda fs: self.files[fs[0]].read(fs[1], self.sequence_length), rows)):
+                out[row] = tokens
+        else:
+            for row, (f, start) in enumerate(rows):
+                out[row] = self._tokens(f)[start : start + self.sequence_length]
         # Every id is checked as it is read (two reductions over the batch, far below the
         # cost of the read): an id >= vocab_size would index past the embedding and train
         # on NaN. A uint32 id >= 2**31 shows up negative in int32.
         if out.size and (int(out.max()) >= self.vocab_size or int(out.min()) < 0):
             row, col = (int(i) for i in np.argwhere((out >= self.vocab_size) | (out < 0))[0])
             f, position = int(file_index[row]), int(offset[row]) + col
-            raise out_of_vocab_error(self.files[f].path, int(self._tokens(f)[position]), position, self.vocab_size)
+            raise out_of_vocab_error(self.files[f].path, int(self.files[f].read(position, 1)[0]), position, self.vocab_size)
         mask = np.ones(out.shape, dtype=bool)
         if self.filter_repeated_ngrams and len(out):
             mask &= repeated_ngram_keep(out)[:, None]

@@ -10,11 +10,13 @@ Rows are exactly `StepSampler.process_slice`: the loader never strides or reshuf
 Labels are not produced here: the loss shifts `input_ids` left by one itself.
 """
 
+import collections
 import queue
 import threading
 import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import jax
@@ -136,25 +138,38 @@ class DataLoader:
 
 
 class Prefetcher:
-    """Reads the next `depth` batches in a background thread so the device never waits.
+    """Reads the next `depth` batches in background threads so the device never waits.
 
     Batches are computed by the loader's pure `batch_at` ahead of time, and marked served
     (guard, position) only when handed out, so `state` is always the trainer's position,
-    never the read-ahead one. `transform` (e.g. `global_batch_arrays`) also runs in the thread.
+    never the read-ahead one. `workers` batches are read at once (remote token files: each
+    batch is a round trip per row, so several batches in flight hide the latency); they are
+    handed out in step order. At most `depth + workers` batches are in memory. `transform`
+    (e.g. `global_batch_arrays`) runs in one thread, in step order.
     """
 
-    def __init__(self, loader: DataLoader, depth: int = 2, transform: Callable[[Batch], Any] | None = None):
+    def __init__(
+        self, loader: DataLoader, depth: int = 2, transform: Callable[[Batch], Any] | None = None, workers: int = 1
+    ):
         self.loader = loader
         self._transform = transform
+        self._workers = max(1, int(workers))
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="olmo-eqx-read") if self._workers > 1 else None
         self._thread = threading.Thread(target=self._work, args=(loader.step,), daemon=True, name="olmo-eqx-prefetch")
         self._thread.start()
 
     def _work(self, step: int) -> None:
+        ahead: collections.deque = collections.deque()
         try:
             while not self._stop.is_set():
-                batch = self.loader.batch_at(step)
+                if self._pool is None:
+                    batch = self.loader.batch_at(step)
+                else:
+                    while len(ahead) < self._workers:
+                        ahead.append(self._pool.submit(self.loader.batch_at, step + len(ahead)))
+                    batch = ahead.popleft().result()
                 item = (batch, self._transform(batch) if self._transform else batch)
                 while not self._stop.is_set():
                     try:
@@ -165,6 +180,9 @@ class Prefetcher:
                 step += 1
         except BaseException as error:  # surfaced in the consumer's thread
             self._queue.put((None, error))
+        finally:
+            for future in ahead:
+                future.cancel()
 
     @property
     def state(self) -> LoaderState:
@@ -183,6 +201,8 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Prefetcher":
         return self

@@ -5,7 +5,9 @@ training instances. Labels travel with every instance so metrics can be split pe
 
 OLMo-core's manifests (`data/mixes/*.txt`) hold one `label,relative/path/{TOKENIZER}/part.npy`
 per line; the path is relative to a data root and `{TOKENIZER}` names the tokenizer's
-directory (e.g. `allenai/dolma2-tokenizer`).
+directory (e.g. `allenai/dolma2-tokenizer`). A data root or a path may be a URL (`http(s)://`,
+`s3://`, `gs://`: `olmo_eqx.data.remote`); URLs are kept as strings, never as `Path`s (which
+would fold `//`).
 """
 
 import glob
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 
+from olmo_eqx.data.remote import is_url
 from olmo_eqx.data.token_files import DataFileError
 
 TOKENIZER_PLACEHOLDER = "{TOKENIZER}"
@@ -24,7 +27,7 @@ class Source:
     """A labelled list of token files; `ratio` is its target share of the mix (None: natural size)."""
 
     label: str
-    paths: tuple[Path, ...]
+    paths: tuple[Path | str, ...]  # str: a URL
     ratio: float | None = None
 
     def __post_init__(self):
@@ -34,8 +37,15 @@ class Source:
             raise DataFileError(f"data source {self.label!r}: ratio must be > 0, got {self.ratio}")
 
 
-def _expand(path_or_glob: str | os.PathLike) -> list[Path]:
+def _expand(path_or_glob: str | os.PathLike) -> list[Path | str]:
     text = os.fspath(path_or_glob)
+    if is_url(text):
+        if glob.has_magic(text):
+            raise DataFileError(
+                f"{text!r}: a glob cannot be expanded at a URL (HTTP has no listing); list the files in a "
+                "mix manifest (data.source=mix.txt, data.data_root=URL)"
+            )
+        return [text]
     if glob.has_magic(text):
         matches = sorted(glob.glob(text, recursive=True))
         if not matches:
@@ -54,6 +64,28 @@ def source_from_paths(
     return Source(label=label, paths=tuple(expanded), ratio=ratio)
 
 
+OLMO_CORE_PREFIX = "olmo_core:"
+
+
+def olmo_core_manifest(name: str) -> Path:
+    """`olmo_core/data/mixes/NAME` of the installed `ai2-olmo-core` wheel, found without
+    importing it (olmo_core imports torch): OLMo-core's mixes, read as the data files they are."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("olmo_core")  # a top-level package: located, not executed
+    if spec is None or not spec.submodule_search_locations:
+        raise DataFileError(
+            f"mix {OLMO_CORE_PREFIX}{name} needs the ai2-olmo-core wheel's manifests: "
+            "pip install --no-deps ai2-olmo-core (its data files only; torch is not needed)"
+        )
+    mixes = Path(list(spec.submodule_search_locations)[0]) / "data" / "mixes"
+    path = mixes / name
+    if not path.is_file():
+        known = sorted(p.name for p in mixes.glob("*.txt"))
+        raise DataFileError(f"ai2-olmo-core ships no mix {name!r}; it has {known}")
+    return path
+
+
 def read_mix(
     manifest: str | os.PathLike,
     data_root: str | os.PathLike,
@@ -63,18 +95,17 @@ def read_mix(
     """Read an OLMo-core mix manifest into sources, one per label, in order of first appearance.
 
     `ratios` maps labels to target shares; give one for every label or none at all.
-    Blank lines and lines starting with `#` are skipped.
+    Blank lines and lines starting with `#` are skipped. `manifest` may be `olmo_core:NAME`, a
+    mix of the installed OLMo-core (`olmo_core_manifest`).
     """
-    manifest = Path(manifest)
+    text = os.fspath(manifest)
+    manifest = olmo_core_manifest(text[len(OLMO_CORE_PREFIX):]) if text.startswith(OLMO_CORE_PREFIX) else Path(text)
     if not manifest.is_file():
         raise DataFileError(f"mix manifest {manifest} does not exist")
     root = os.fspath(data_root)
-    if "://" in root:
-        raise DataFileError(
-            f"data root {root!r} is a URL; olmo_eqx reads local (or mounted) files only: "
-            "download or mount the token files and pass that directory"
-        )
-    by_label: dict[str, list[Path]] = {}
+    if "://" in root and not is_url(root):
+        raise DataFileError(f"data root {root!r}: the URL schemes read are http(s)://, s3:// and gs://")
+    by_label: dict[str, list[Path | str]] = {}
     for line_no, raw in enumerate(manifest.read_text().splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -85,7 +116,8 @@ def read_mix(
                 f"{manifest}:{line_no}: expected `label,relative/path/{TOKENIZER_PLACEHOLDER}/part.npy`, got {raw!r}"
             )
         rel_path = rel_path.strip().replace(TOKENIZER_PLACEHOLDER, tokenizer)
-        by_label.setdefault(label.strip(), []).append(Path(root) / rel_path)
+        path = f"{root.rstrip('/')}/{rel_path.lstrip('/')}" if is_url(root) else Path(root) / rel_path
+        by_label.setdefault(label.strip(), []).append(path)
     if not by_label:
         raise DataFileError(f"mix manifest {manifest} lists no files")
     ratios = dict(ratios or {})

@@ -2,17 +2,35 @@
 datasets (the embedded corpus, an OLMo-core mix manifest, or a glob of token files), and how
 its batches mark documents (`data.document_masking`)."""
 
+from pathlib import Path
+from typing import Optional
+
 from olmo_eqx.config import DataConfig
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.data.heldout import HeldOutSet, heldout_sets
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.mixes import read_mix, source_from_paths
+from olmo_eqx.data.remote import RemoteReader, RetryPolicy, SizeCache
 from olmo_eqx.data.token_files import DataFileError
 
 
-def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, list[HeldOutSet]]:
-    """The training instances and the named held-out sets of `data`."""
+def remote_reader(data: DataConfig) -> RemoteReader:
+    """The reader of `data`'s token files at URLs, with its retry settings."""
+    policy = RetryPolicy(attempts=data.remote_attempts, backoff_s=data.remote_backoff_s, timeout_s=data.remote_timeout_s)
+    return RemoteReader(policy, concurrency=data.remote_concurrency)
+
+
+def build_datasets(
+    data: DataConfig, vocab_size: int, size_cache: Optional[Path] = None
+) -> tuple[InstanceDataset, list[HeldOutSet]]:
+    """The training instances and the named held-out sets of `data`.
+
+    size_cache: a run's `data_sizes.json` (`SizeCache`): the sizes of remote files found there
+    are not requested again; `remote_sizes(...)` gives what to store back.
+    """
     seq = data.sequence_length
+    # One reader for training and held-out files: their requests share its threads and counts.
+    reader, known = remote_reader(data), SizeCache(size_cache).load()
     heldout = []
     if data.source == "embedded":
         corpus = embedded_corpus()
@@ -31,10 +49,27 @@ def build_datasets(data: DataConfig, vocab_size: int) -> tuple[InstanceDataset, 
             sources = read_mix(data.source, data.data_root, data.tokenizer)
         else:
             sources = [source_from_paths("train", data.source)]
-        train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams)
+        train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams,
+                                reader=reader, sizes=known)
     if data.heldout:
-        heldout = heldout_sets([source_from_paths(name, paths) for name, paths in data.heldout.items()], seq, vocab_size)
+        named = []
+        for name, paths in data.heldout.items():
+            if paths.endswith(".txt"):  # a manifest (OLMo-core's ppl-validation mixes): one set per label
+                if not (data.data_root and data.tokenizer):
+                    raise DataFileError(f"data.heldout.{name}={paths!r} is a mix manifest: set data.data_root and data.tokenizer")
+                named += read_mix(paths, data.data_root, data.tokenizer)
+            else:
+                named.append(source_from_paths(name, paths))
+        heldout = heldout_sets(named, seq, vocab_size, reader=reader, sizes=known)
     return train, heldout
+
+
+def remote_sizes(train: InstanceDataset, heldout: list[HeldOutSet]) -> dict[str, int]:
+    """The sizes of every remote file of a run (what its `SizeCache` stores)."""
+    sizes = dict(train.remote_sizes)
+    for heldout_set in heldout:
+        sizes.update(heldout_set.dataset.remote_sizes)
+    return sizes
 
 
 DOLMA2_EOS = 100257  # OLMo 3's tokenizer (allenai/dolma2-tokenizer)

@@ -18,7 +18,7 @@ class DataFileError(ValueError):
     """A token file, manifest or data position that cannot be used as given."""
 
 
-def out_of_vocab_error(path: Path, token_id: int, position: int, vocab_size: int) -> DataFileError:
+def out_of_vocab_error(path: Path | str, token_id: int, position: int, vocab_size: int) -> DataFileError:
     """The one message for a token id >= vocab_size: the file and the offset in it."""
     return DataFileError(
         f"token file {path} holds token id {token_id} at position {position}, but vocab_size is "
@@ -37,20 +37,32 @@ def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
 class TokenFile:
     """One headerless token file, memory-mapped on first access and never read whole.
 
+    A URL (`olmo_eqx.data.remote`) is read by byte ranges through `reader` instead, its size
+    given by the caller (fetched for all files at once, or from the run's size cache).
     Construction checks only what is cheap (the file exists, its size fits the dtype);
     `check_token_ids` scans the ids when asked.
     """
 
-    def __init__(self, path: str | os.PathLike, vocab_size: int, dtype: np.dtype | str | None = None):
-        self.path = Path(path)
+    def __init__(
+        self, path: str | os.PathLike, vocab_size: int, dtype: np.dtype | str | None = None, *,
+        reader=None, size: int | None = None,
+    ):
+        self.remote = reader is not None
+        self.path = path if self.remote else Path(path)
+        self.reader = reader
         self.vocab_size = int(vocab_size)
         self.dtype = np.dtype(dtype) if dtype is not None else token_dtype_for_vocab(vocab_size)
-        if not self.path.is_file():
+        if self.remote:
+            if size is None:
+                raise ValueError(f"a remote token file needs its size: {path}")
+        elif not self.path.is_file():
             raise DataFileError(
                 f"token file {self.path} does not exist: check the data root / tokenizer name "
                 "in the mix, or create it with `python -m olmo_eqx.data.tokenize`"
             )
-        size = self.path.stat().st_size
+        else:
+            size = self.path.stat().st_size
+        self.size = int(size)
         if size % self.dtype.itemsize != 0:
             raise DataFileError(
                 f"token file {self.path} has {size} bytes, not a multiple of {self.dtype.itemsize} "
@@ -60,9 +72,29 @@ class TokenFile:
         self.num_tokens = size // self.dtype.itemsize
         self._array: np.memmap | None = None
 
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the file (one range request when remote)."""
+        if self.remote:
+            return self.reader.read(self.path, offset, length, self.size)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def read(self, start: int, count: int) -> Integer[np.ndarray, " count"]:
+        """Tokens [start, start + count) in the file's dtype."""
+        if not self.remote:
+            return np.asarray(self.tokens[start : start + count])
+        itemsize = self.dtype.itemsize
+        data = self.read_bytes(start * itemsize, count * itemsize)
+        return np.frombuffer(data, dtype=self.dtype.newbyteorder("<"))
+
     @property
     def tokens(self) -> np.ndarray:
         """The whole file as a read-only memory map (pages are read only when touched)."""
+        if self.remote:
+            raise TypeError(f"{self.path} is remote: read it by ranges (TokenFile.read), never whole")
         if self._array is None:
             if self.num_tokens == 0:
                 # np.memmap refuses empty files; an empty file is legal and holds no instances.
@@ -83,12 +115,11 @@ class TokenFile:
 
     def check_token_ids(self, chunk_tokens: int = 1 << 24) -> None:
         """Raise `DataFileError` if any id is >= vocab_size (scans the file in chunks)."""
-        tokens = self.tokens
         for start in range(0, self.num_tokens, chunk_tokens):
-            chunk = np.asarray(tokens[start : start + chunk_tokens])
+            chunk = self.read(start, min(chunk_tokens, self.num_tokens - start))
             if chunk.size and int(chunk.max()) >= self.vocab_size:
                 offset = start + int(np.argmax(chunk >= self.vocab_size))
-                raise out_of_vocab_error(self.path, int(tokens[offset]), offset, self.vocab_size)
+                raise out_of_vocab_error(self.path, int(chunk[offset - start]), offset, self.vocab_size)
 
     def __repr__(self) -> str:
         return f"TokenFile({str(self.path)!r}, tokens={self.num_tokens}, dtype={self.dtype.name})"

@@ -47,7 +47,8 @@ from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
 from olmo_eqx.data.sampler import LoaderState
-from olmo_eqx.data.sources import build_datasets, document_options  # noqa: F401  (also imported from here)
+from olmo_eqx.data.remote import SizeCache
+from olmo_eqx.data.sources import build_datasets, document_options, remote_sizes  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
 from olmo_eqx.flops import flops_per_token
@@ -219,7 +220,9 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
     # Everything that can reject the config runs before any compilation or checkpoint I/O,
     # and nothing in the run dir is written until the config (and a resume) is accepted.
     try:
-        dataset, heldout = build_datasets(config.data, config.model.vocab_size)
+        # Remote token files: their sizes come from the run dir's cache when a previous session left one.
+        size_cache = SizeCache(run_dir / SizeCache.FILE)
+        dataset, heldout = build_datasets(config.data, config.model.vocab_size, size_cache=size_cache.path)
         mesh = make_mesh(config.mesh)
         schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
         check_loggers(config.trainer.loggers)
@@ -255,6 +258,8 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                          sink_config=config_dict)
             try:
                 out.write_config(config_dict)
+                if main_process:
+                    size_cache.save(remote_sizes(dataset, heldout))
                 for note in notes:
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
@@ -400,6 +405,9 @@ class _Loop:
             utilisation = mfu(self.model_flops, rate, jax.device_count(), self.peak) if rate else None
             if rate:
                 entry.update(tokens_per_s=rate, mfu=utilisation)
+            reader = self.loader.dataset.reader
+            if reader is not None:  # remote token files: requests and retried failures so far
+                entry.update(reader.stats)
             if first or step % trainer.log_every == 0 or step == self.end_step:
                 if rate is None:
                     speed = f"first step (with compilation) {time.perf_counter() - self.loop_started:.1f}s"
@@ -408,6 +416,7 @@ class _Loop:
                 self.out.print(
                     f"step {step:>6}/{trainer.steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} "
                     f"| grad norm {values['grad_norm']:.3f} | {speed}" + (" | SKIPPED" if values["skipped"] else "")
+                    + (f" | data retries {entry['data_retries']}" if entry.get("data_retries") else "")
                 )
         self.write(entry)
         if reason := self.guard.observe(step, values["loss"], values["grad_norm"], bool(values["skipped"])):
@@ -490,7 +499,11 @@ class _Loop:
         sharding, documents = self.sharding, self.documents
         to_global = lambda b: global_batch_arrays(b, sharding, **documents)  # noqa: E731  (runs in the prefetch thread)
         self.loop_started = time.perf_counter()
-        with stop_on_signals(self.out.print) as stop, Prefetcher(self.loader, depth=2, transform=to_global) as batches:
+        depth = self.config.data.prefetch_batches
+        # Remote token files: `depth` batches read at once, so round trips overlap across batches too.
+        workers = depth if self.loader.dataset.reader is not None else 1
+        prefetcher = Prefetcher(self.loader, depth=depth, transform=to_global, workers=workers)
+        with stop_on_signals(self.out.print) as stop, prefetcher as batches:
             try:
                 for step in range(self.start_step + 1, self.end_step + 1):
                     profiler.before_step(step)

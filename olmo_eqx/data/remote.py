@@ -1,0 +1,393 @@
+"""Token files at URLs (`http(s)://`, `s3://`, `gs://`), read with byte-range requests only.
+
+A remote token file is never downloaded whole: its size comes from one metadata request (or
+the run's size cache, `SizeCache`), and each instance is one `Range: bytes=a-b` request for
+its `sequence_length` tokens. Every range answer carries the object's current total size
+(`Content-Range: bytes a-b/TOTAL`); it is compared with the recorded size, so a file changed
+since the run recorded it is refused at its first read, whatever the cache says.
+
+Clients (docs/data.md, "Remote token files", says why these):
+    http(s)://host/path   the standard library's `http.client`, one kept-alive connection per
+                          thread and host.
+    s3://bucket/key       boto3 (`pip install olmo_eqx[remote]`): credentials, region and
+                          endpoint (`AWS_ENDPOINT_URL` for S3-compatible stores) from boto3's
+                          standard chain: environment, ~/.aws, instance metadata.
+    gs://bucket/object    GCS's JSON API over the same HTTP client; a bearer token from
+                          Application Default Credentials (google-auth) when installed and
+                          configured, else anonymous (public buckets); `STORAGE_EMULATOR_HOST`
+                          points it at an emulator, as for Google's own clients.
+
+Errors: transient ones (5xx, 429, timeouts, refused or reset connections) are retried with
+jittered exponential backoff and counted (`RemoteReader.stats`, shown in the run's metrics);
+a permanent one (404, 403, a file shorter than recorded, a server that ignores ranges) or a
+transient one that outlasts its attempts raises `RemoteFileError`: one line naming the URL.
+"""
+
+import http.client
+import json
+import os
+import random
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from olmo_eqx.data.token_files import DataFileError
+
+SCHEMES = ("http://", "https://", "s3://", "gs://")
+
+
+def is_url(path) -> bool:
+    """True for the URLs this module reads (local paths, `file` included, are not URLs)."""
+    return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def url_tail(url: str, parts: int = 3) -> str:
+    """The last `parts` components of a URL's path: what a checkpoint records of a file, so the
+    same files under another root (or mounted locally) are recognised."""
+    path = urllib.parse.urlsplit(url).path if not url.startswith(("s3://", "gs://")) else url.split("://", 1)[1]
+    return "/".join([p for p in path.split("/") if p][-parts:])
+
+
+class RemoteFileError(DataFileError):
+    """A remote token file that cannot be read: the message names the URL and the fix."""
+
+
+class _Transient(Exception):
+    """A failure worth retrying (the server or the network may recover)."""
+
+
+class _Permanent(Exception):
+    """A failure no retry can fix (missing, forbidden, changed)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a transient failure is retried: `attempts` tries, the k-th retry after about
+    `backoff_s * 2**k` seconds (jittered, at most `max_backoff_s`)."""
+
+    attempts: int = 8
+    backoff_s: float = 0.1
+    max_backoff_s: float = 10.0
+    timeout_s: float = 60.0
+
+    def delay(self, retry: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**retry) * (0.5 + random.random())
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP(S) and GCS: one kept-alive connection per thread and host
+
+
+def _content_range_total(header: str | None, url: str) -> int:
+    """TOTAL of `Content-Range: bytes a-b/TOTAL`."""
+    try:
+        return int(header.rsplit("/", 1)[1])
+    except (AttributeError, IndexError, ValueError):
+        raise _Permanent(f"the server's answer to a range request has no usable Content-Range ({header!r})")
+
+
+def _classify(status: int, url: str, what: str) -> Exception:
+    if status in (408, 429) or status >= 500:
+        return _Transient(f"HTTP {status}")
+    hint = {404: "it does not exist: check the data root and the tokenizer name in the paths",
+            403: "access is denied: check the credentials (docs/data.md, 'Credentials')",
+            401: "the server wants credentials: check them (docs/data.md, 'Credentials')",
+            416: "the range lies past its end: the file is shorter than the run recorded"}
+    return _Permanent(f"HTTP {status} on {what}: {hint.get(status, 'the server refused the request')}")
+
+
+class HttpStore:
+    """`http(s)://` URLs (and GCS's JSON API underneath `GcsStore`)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def headers(self, url: str) -> dict:
+        return {}
+
+    def _connection(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        pool = self._local.__dict__.setdefault("pool", {})
+        conn = pool.get((scheme, netloc))
+        if conn is None:
+            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+            conn = pool[(scheme, netloc)] = cls(netloc, timeout=self.timeout_s)
+        return conn
+
+    def _request(self, method: str, url: str, headers: dict) -> tuple[int, dict, bytes]:
+        parts = urllib.parse.urlsplit(url)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn = self._connection(parts.scheme, parts.netloc)
+        try:
+            conn.request(method, target, headers={**self.headers(url), **headers})
+            response = conn.getresponse()
+            body = response.read()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut short
+            conn.close()  # a broken connection is reopened by the next request
+            raise _Transient(f"{type(e).__name__}: {e}") from e
+
+    def size_url(self, url: str) -> tuple[str, str]:
+        return "HEAD", url
+
+    def data_url(self, url: str) -> str:
+        return url
+
+    def size(self, url: str) -> int:
+        method, target = self.size_url(url)
+        status, headers, body = self._request(method, target, {})
+        if status != 200:
+            raise _classify(status, url, "its size request")
+        if method == "GET":  # GCS's object metadata
+            return int(json.loads(body)["size"])
+        if "content-length" not in headers:
+            raise _Permanent("the server sends no Content-Length: its size is unknown")
+        return int(headers["content-length"])
+
+    def read(self, url: str, start: int, length: int) -> tuple[bytes, int]:
+        status, headers, body = self._request("GET", self.data_url(url), {"Range": f"bytes={start}-{start + length - 1}"})
+        if status == 200:
+            raise _Permanent("the server ignored the Range header and sent the whole file: olmo_eqx reads "
+                             "token files by byte ranges only; serve them from a server that supports ranges")
+        if status != 206:
+            raise _classify(status, url, f"bytes {start}-{start + length - 1}")
+        return body, _content_range_total(headers.get("content-range"), url)
+
+
+class GcsStore(HttpStore):
+    """`gs://bucket/object` through GCS's JSON API (`alt=media` with a range)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(timeout_s)
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        if emulator:
+            self.endpoint = emulator if "://" in emulator else f"http://{emulator}"
+            self._credentials = None
+        else:
+            self.endpoint = "https://storage.googleapis.com"
+            self._credentials = _google_credentials()
+        self._lock = threading.Lock()
+
+    def headers(self, url: str) -> dict:
+        if self._credentials is None:
+            return {}
+        with self._lock:  # refresh an expired token once, not from every thread
+            if not self._credentials.valid:
+                import google.auth.transport.requests
+
+                self._credentials.refresh(google.auth.transport.requests.Request())
+            return {"Authorization": f"Bearer {self._credentials.token}"}
+
+    def _object(self, url: str) -> str:
+        bucket, _, name = url[len("gs://"):].partition("/")
+        return f"{self.endpoint}/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"
+
+    def size_url(self, url: str) -> tuple[str, str]:
+        return "GET", self._object(url)
+
+    def data_url(self, url: str) -> str:
+        base = self._object(url)
+        return base.replace("/storage/v1/", "/download/storage/v1/", 1) + "?alt=media"
+
+
+def _google_credentials():
+    """Application Default Credentials when google-auth finds some; None (anonymous) otherwise."""
+    try:
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+    except ImportError:
+        return None
+    try:
+        credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_only"])
+    except DefaultCredentialsError:
+        return None
+    return credentials
+
+
+# ---------------------------------------------------------------------------------------------
+# S3 through boto3
+
+
+class S3Store:
+    """`s3://bucket/key` through boto3; its own retries are off, so ours are counted."""
+
+    def __init__(self, timeout_s: float):
+        try:
+            import boto3
+            import botocore.config
+            import botocore.exceptions
+        except ImportError as e:
+            raise DataFileError("s3:// token files need boto3: pip install 'olmo_eqx[remote]'") from e
+        self._errors = botocore.exceptions
+        config = botocore.config.Config(
+            retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=timeout_s, read_timeout=timeout_s,
+            max_pool_connections=256,
+        )
+        self._client = boto3.session.Session().client("s3", config=config)
+
+    @staticmethod
+    def _split(url: str) -> tuple[str, str]:
+        bucket, _, key = url[len("s3://"):].partition("/")
+        return bucket, key
+
+    def _call(self, what: str, fn, **kwargs):
+        errors = self._errors
+        try:
+            return fn(**kwargs)
+        except errors.ClientError as e:
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            code = e.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "NoSuchBucket"):
+                status = 404
+            raise _classify(status or 500, what, what) from e
+        except (errors.BotoCoreError, OSError) as e:  # connection refused / reset / timeout
+            if isinstance(e, (errors.NoCredentialsError, errors.PartialCredentialsError)):
+                raise _Permanent(f"no AWS credentials: {e} (docs/data.md, 'Credentials')") from e
+            raise _Transient(f"{type(e).__name__}: {e}") from e
+
+    def size(self, url: str) -> int:
+        bucket, key = self._split(url)
+        return int(self._call("its size request", self._client.head_object, Bucket=bucket, Key=key)["ContentLength"])
+
+    def read(self, url: str, start: int, length: int) -> tuple[bytes, int]:
+        bucket, key = self._split(url)
+        what = f"bytes {start}-{start + length - 1}"
+        response = self._call(what, self._client.get_object, Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+        try:
+            body = response["Body"].read()
+        except (self._errors.BotoCoreError, OSError) as e:
+            raise _Transient(f"{type(e).__name__}: {e}") from e
+        return body, _content_range_total(response.get("ContentRange"), url)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reader every remote token file shares
+
+
+class RemoteReader:
+    """Sizes and byte ranges of remote files, with retries; thread-safe; one per dataset build.
+
+    `stats` counts requests, retried failures and bytes since construction.
+    """
+
+    def __init__(self, policy: RetryPolicy = RetryPolicy(), concurrency: int = 64):
+        self.policy = policy
+        self.concurrency = int(concurrency)
+        self._stores: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.stats = {"data_requests": 0, "data_retries": 0, "data_bytes": 0}
+
+    def _store(self, url: str):
+        scheme = url.split("://", 1)[0]
+        kind = {"https": "http"}.get(scheme, scheme)
+        with self._lock:
+            if kind not in self._stores:
+                cls = {"http": HttpStore, "s3": S3Store, "gs": GcsStore}[kind]
+                self._stores[kind] = cls(self.policy.timeout_s)
+            return self._stores[kind]
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads that keep this reader's requests in flight (shared by all its files)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="olmo-eqx-remote")
+            return self._pool
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _retrying(self, url: str, what: str, fn):
+        policy, last = self.policy, None
+        for attempt in range(policy.attempts):
+            if attempt:
+                self._count("data_retries")
+                time.sleep(policy.delay(attempt - 1))
+            self._count("data_requests")
+            try:
+                return fn()
+            except _Transient as e:
+                last = e
+            except _Permanent as e:
+                raise RemoteFileError(f"token file {url}: {e}") from None
+        raise RemoteFileError(
+            f"token file {url}: {what} failed {policy.attempts} times, last with {last}: the server is unreachable "
+            "or overloaded; rerun to resume when it answers"
+        ) from None
+
+    def size(self, url: str) -> int:
+        return self._retrying(url, "its size request", lambda: self._store(url).size(url))
+
+    def read(self, url: str, start: int, length: int, expected_size: int) -> bytes:
+        """Bytes [start, start + length) of `url`, which must still be `expected_size` bytes long."""
+        store = self._store(url)
+
+        def attempt() -> bytes:
+            body, total = store.read(url, start, length)
+            if total != expected_size:
+                raise _Permanent(
+                    f"it is now {total} bytes, but the run recorded {expected_size}: the file changed since. Point "
+                    "the run at the original data (or remove the run dir's data_sizes.json to start afresh)"
+                )
+            if len(body) < length:
+                raise _Transient(f"{len(body)} of {length} bytes arrived")  # a cut-short body
+            return body
+
+        body = self._retrying(url, f"reading bytes {start}-{start + length - 1}", attempt)
+        self._count("data_bytes", len(body))
+        return body
+
+    def sizes(self, urls: Iterable[str], known: Mapping[str, int] = {}) -> dict[str, int]:
+        """The size of every URL: from `known` where it has one, the rest fetched concurrently."""
+        urls = list(dict.fromkeys(urls))
+        missing = [u for u in urls if u not in known]
+        fetched = dict(zip(missing, self.pool.map(self.size, missing)))
+        return {u: int(known[u]) if u in known else fetched[u] for u in urls}
+
+    def __getstate__(self) -> dict:
+        # Locks, threads and connections do not pickle: a copy in another process opens its own.
+        state = self.__dict__.copy()
+        state.update(_lock=None, _pool=None, _stores={})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class SizeCache:
+    """The sizes of a run's remote files, kept in its run dir (`data_sizes.json`), so a restart
+    of a 950-file mix makes no size requests. A size that changed since is still caught: every
+    range answer carries the current size (`RemoteReader.read`)."""
+
+    FILE = "data_sizes.json"
+
+    def __init__(self, path: Path | None):
+        self.path = Path(path) if path is not None else None
+
+    def load(self) -> dict[str, int]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            return {str(k): int(v) for k, v in json.loads(self.path.read_text())["sizes"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataFileError(f"size cache {self.path} is damaged ({e}): delete it and rerun (sizes are refetched)")
+
+    def save(self, sizes: Mapping[str, int]) -> None:
+        if self.path is None or not sizes or sizes == self.load():
+            return
+        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"sizes": dict(sizes)}, indent=0))
+        os.replace(tmp, self.path)

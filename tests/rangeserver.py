@@ -1,0 +1,123 @@
+"""A small HTTP file server for the remote-data tests and the loader benchmark (no tests here).
+
+Serves a directory on 127.0.0.1 with HEAD, single `Range: bytes=a-b` GETs (206 with
+Content-Range), and GCS's JSON API paths (`/storage/v1/b/B/o/O` metadata and
+`/download/storage/v1/b/B/o/O?alt=media`, the object being the file B/O), so `gs://` URLs can
+be served with `STORAGE_EMULATOR_HOST`. Faults are injectable while it runs: a latency per
+request, a fraction of answers that are 503, paths answering 404, a server that dies after
+a given number of requests (killed mid-run), and stop / restart on the same port.
+"""
+
+import json
+import random
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class RangeServer:
+    def __init__(self, root: Path, latency_s: float = 0.0, error_rate: float = 0.0, seed: int = 0):
+        self.root = Path(root)
+        self.latency_s, self.error_rate = latency_s, error_rate
+        self.missing: set[str] = set()  # paths answered with 404
+        self.ignore_ranges = False  # answer range requests with the whole file (200)
+        self.dies_after: int | None = None  # from this many requests on, cut every connection unanswered
+        self.requests = 0
+        self.size_requests = 0  # HEADs and GCS metadata GETs
+        self.errors_sent = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._server = None
+        self.port = 0
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "RangeServer":
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real object stores
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                outer._answer(self, head=True)
+
+            def do_GET(self):
+                outer._answer(self, head=False)
+
+        # Bind the same port again after a stop, so clients see a server that came back.
+        ThreadingHTTPServer.allow_reuse_address = True
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="rangeserver").start()
+        return self
+
+    def stop(self) -> None:
+        """Stop answering: new connections are refused (open ones are cut at their next request)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _send(self, handler, status: int, body: bytes = b"", headers: dict = {}, head: bool = False) -> None:
+        handler.send_response(status)
+        for k, v in {"Content-Length": str(len(body)), **headers}.items():
+            handler.send_header(k, v)
+        handler.end_headers()
+        if not head:
+            handler.wfile.write(body)
+
+    def _answer(self, handler, head: bool) -> None:
+        with self._lock:
+            dead = self._server is None or (self.dies_after is not None and self.requests >= self.dies_after)
+            self.requests += 1
+        if dead:  # stopped, or killed: cut the connection without an answer
+            handler.close_connection = True
+            return
+        with self._lock:
+            fail = self.error_rate and self._rng.random() < self.error_rate
+            self.errors_sent += bool(fail)
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        if fail:
+            return self._send(handler, 503, b"slow down", head=head)
+        parts = urllib.parse.urlsplit(handler.path)
+        path, metadata = urllib.parse.unquote(parts.path), False
+        for prefix, is_meta in (("/download/storage/v1/b/", False), ("/storage/v1/b/", True)):
+            if path.startswith(prefix):  # GCS JSON API: /b/BUCKET/o/OBJECT
+                bucket, _, name = path[len(prefix):].partition("/o/")
+                path, metadata = f"/{bucket}/{name}", is_meta
+                break
+        file = self.root / path.lstrip("/")
+        if path in self.missing or not file.is_file():
+            return self._send(handler, 404, b"not found", head=head)
+        size = file.stat().st_size
+        if metadata or head:
+            with self._lock:
+                self.size_requests += 1
+        if metadata:
+            return self._send(handler, 200, json.dumps({"size": str(size)}).encode(), head=head)
+        if head:
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(size))
+            handler.end_headers()
+            return
+        spec = handler.headers.get("Range")
+        if not spec or self.ignore_ranges:
+            return self._send(handler, 200, file.read_bytes())
+        start, _, end = spec.removeprefix("bytes=").partition("-")
+        start, end = int(start), min(int(end), size - 1)
+        if start >= size:
+            return self._send(handler, 416, b"", {"Content-Range": f"bytes */{size}"})
+        with open(file, "rb") as f:
+            f.seek(start)
+            body = f.read(end - start + 1)
+        self._send(handler, 206, body, {"Content-Range": f"bytes {start}-{end}/{size}"})

@@ -1,0 +1,291 @@
+"""Token files at URLs, served on 127.0.0.1 by real servers: `rangeserver.RangeServer` (HTTP
+with ranges and injectable faults, also GCS's JSON API) and moto's S3 server.
+
+A short pretrain from the files over HTTP and over S3 equals the local-file run bit for bit
+(losses, grad norms, held-out loss, final weights); a server stopped mid-run stops the run
+with one line naming the URL, and the rerun resumes to the same bits; 404s, shortened files,
+servers that ignore ranges and transient errors behave as olmo_eqx/data/remote.py says.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from olmo_eqx.checkpoint import Checkpointer
+from olmo_eqx.config import compose_config
+from olmo_eqx.data.instances import InstanceDataset
+from olmo_eqx.data.mixes import read_mix, source_from_paths
+from olmo_eqx.data.remote import RemoteFileError, RemoteReader, RetryPolicy, SizeCache
+from olmo_eqx.data.token_files import DataFileError, write_token_file
+from olmo_eqx.sharding import ShardingRules, make_mesh
+from olmo_eqx.train.loop import TrainError, train
+from olmo_eqx.train.state import sharded_abstract_train_state
+
+from clihelp import TINY
+from rangeserver import RangeServer
+from test_pretrain import read_metrics, shared_compilation_cache  # noqa: F401  (a module fixture)
+
+VOCAB = 4096  # olmo3_nano's
+TOKENIZER = "allenai/dolma2-tokenizer"
+FILES = 3
+SEQ = 64
+BUCKET = "olmo-data"
+QUICK = RetryPolicy(attempts=3, backoff_s=0.01)
+# Few, fast retries, so a dead server stops a run within a second.
+RUN_RETRIES = ["data.remote_attempts=3", "data.remote_backoff_s=0.01"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Three training files and one held-out file laid out like OLMo-core's, and a mix manifest."""
+    root = tmp_path_factory.mktemp("served")
+    rng = np.random.default_rng(21)
+    data = root / "olmo" / "data"
+    for i in range(FILES):
+        write_token_file(data / TOKENIZER / f"part-{i:03d}.npy", rng.integers(0, VOCAB, SEQ * (40 + 7 * i) + 5), VOCAB)
+    write_token_file(data / "eval" / "heldout.npy", rng.integers(0, VOCAB, SEQ * 8), VOCAB)
+    manifest = root / "mix.txt"
+    manifest.write_text("".join(f"train,{{TOKENIZER}}/part-{i:03d}.npy\n" for i in range(FILES)))
+    return root, manifest
+
+
+@pytest.fixture(scope="module")
+def http(corpus):
+    server = RangeServer(corpus[0])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(corpus):
+    """moto's S3 server on 127.0.0.1 holding the files under s3://olmo-data/olmo/data/..."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        # boto3's standard configuration chain: what a user sets for any S3-compatible store.
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        env.setenv("AWS_ACCESS_KEY_ID", "testing")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        for path in (corpus[0] / "olmo").rglob("*.npy"):
+            client.upload_file(str(path), BUCKET, str(path.relative_to(corpus[0])))
+        yield f"s3://{BUCKET}"
+    server.stop()
+
+
+def run_args(manifest, root: str) -> list[str]:
+    return TINY + [f"data.source={manifest}", f"data.data_root={root}/olmo/data", f"data.tokenizer={TOKENIZER}",
+                   f"+data.heldout.eval={root}/olmo/data/eval/heldout.npy"] + RUN_RETRIES
+
+
+def final_weights(run_dir, config):
+    mesh, rules = make_mesh(config.mesh), ShardingRules()
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as checkpointer:
+        state = checkpointer.restore(12, target=sharded_abstract_train_state(config.model, config.optim, mesh, rules)).state
+    return [np.asarray(x) for x in jax.tree.leaves((state.model, state.opt_state))]
+
+
+def assert_same_run(run_dir, reference_dir, config):
+    """Every training and held-out number, and the final weights and optimiser state, bit for bit."""
+    runs = [read_metrics(run_dir), read_metrics(reference_dir)]
+    assert sorted(runs[0]) == sorted(runs[1]) == list(range(1, 13))
+    for step in range(1, 13):
+        for key in ("loss", "grad_norm", "lr"):
+            assert runs[0][step][key] == runs[1][step][key], (step, key)
+    heldout = [[r["heldout_loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                if "heldout_loss" in r] for d in (run_dir, reference_dir)]
+    assert heldout[0] == heldout[1] and len(heldout[0]) == 2
+    for a, b in zip(final_weights(run_dir, config), final_weights(reference_dir, config)):
+        assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def local_run(corpus, tmp_path_factory):
+    root, manifest = corpus
+    run_dir = tmp_path_factory.mktemp("local_run")
+    config = compose_config(run_args(manifest, str(root)))
+    train(config, run_dir)
+    return run_dir, config
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs
+
+
+def test_a_run_over_http_equals_the_local_run_bitwise_and_counts_retries(corpus, http, local_run, tmp_path):
+    root, manifest = corpus
+    http.error_rate = 0.03  # transient 503s, retried: they change no number
+    try:
+        summary = train(compose_config(run_args(manifest, http.url)), tmp_path)
+    finally:
+        http.error_rate = 0.0
+    assert summary["stage_completed"]
+    assert_same_run(tmp_path, *local_run)
+    last = read_metrics(tmp_path)[12]
+    assert last["data_requests"] > 0 and last["data_retries"] > 0  # the retries show in the metrics
+    # The sizes are cached in the run dir: a later session asks for none.
+    sizes = SizeCache(tmp_path / SizeCache.FILE).load()
+    assert len(sizes) == FILES + 1 and all(url.startswith(http.url) for url in sizes)
+
+
+def test_a_run_over_s3_equals_the_local_run_bitwise(corpus, s3, local_run, tmp_path):
+    root, manifest = corpus
+    train(compose_config(run_args(manifest, s3)), tmp_path)
+    assert_same_run(tmp_path, *local_run)
+
+
+def test_a_server_killed_mid_run_stops_it_with_one_line_and_the_rerun_resumes_bitwise(
+    corpus, http, local_run, tmp_path
+):
+    root, manifest = corpus
+    config = compose_config(run_args(manifest, http.url))
+    # Requests of the first session: 4 sizes, 4 content samples (whole small files), 8 rows of the
+    # held-out batch, then 8 rows a step. The server dies during the reads of steps 7-8, after
+    # the step-6 checkpoint (two batches are read at once: step 8's start only after step 6's end).
+    http.dies_after = http.requests + 16 + 8 * 7
+    try:
+        with pytest.raises(TrainError) as stopped:
+            train(config, tmp_path)
+    finally:
+        http.dies_after = None
+    # A real stop and restart on the same port too: the reader reconnects.
+    http.stop()
+    http.start()
+    message = str(stopped.value)
+    assert "\n" not in message and f"token file {http.url}/olmo/data/" in message
+    assert "failed 3 times" in message and "rerun to resume" in message
+    before = http.size_requests
+    summary = train(config, tmp_path)
+    assert summary["start_step"] == 6 and summary["stage_completed"]
+    assert http.size_requests == before  # the restart took every size from the run dir's cache
+    assert_same_run(tmp_path, *local_run)
+
+
+# ---------------------------------------------------------------------------------------------
+# Permanent errors: one line naming the URL, before any work
+
+
+def test_a_missing_file_stops_the_run_at_start_naming_the_url(corpus, http, tmp_path):
+    root, manifest = corpus
+    missing = f"/olmo/data/{TOKENIZER}/part-001.npy"
+    http.missing.add(missing)
+    try:
+        with pytest.raises(TrainError) as refused:
+            train(compose_config(run_args(manifest, http.url)), tmp_path)
+    finally:
+        http.missing.clear()
+    assert str(refused.value) == (
+        f"token file {http.url}{missing}: HTTP 404 on its size request: it does not exist: check the data root "
+        "and the tokenizer name in the paths"
+    )
+
+
+def test_a_shortened_file_is_refused_even_with_its_size_cached(corpus, http, tmp_path):
+    root, manifest = corpus
+    served = root / "short"
+    files = [write_token_file(served / f"p{i}.npy", np.arange(SEQ * 10) % VOCAB, VOCAB) for i in range(2)]
+    urls = [f"{http.url}/short/p{i}.npy" for i in range(2)]
+    cache = SizeCache(tmp_path / SizeCache.FILE)
+    first = InstanceDataset([source_from_paths("train", urls)], SEQ, VOCAB, reader=RemoteReader(QUICK))
+    cache.save(first.remote_sizes)
+    files[1].write_bytes(files[1].read_bytes()[: -SEQ * 4])  # shortened on the server
+    with pytest.raises(RemoteFileError, match=rf"^token file {urls[1]}: it is now {SEQ * 16} bytes, but the run recorded {SEQ * 20}"):
+        InstanceDataset([source_from_paths("train", urls)], SEQ, VOCAB, reader=RemoteReader(QUICK), sizes=cache.load())
+    # Shortened while a run reads it: the range past its new end is refused the same way.
+    with pytest.raises(RemoteFileError, match=rf"token file {urls[1]}: (it is now|HTTP 416)"):
+        first.read(np.arange(len(first)))
+
+
+def test_a_server_that_ignores_ranges_is_refused(corpus, http):
+    url = f"{http.url}/olmo/data/eval/heldout.npy"
+    http.ignore_ranges = True
+    try:
+        with pytest.raises(RemoteFileError, match=f"^token file {url}: the server ignored the Range header"):
+            InstanceDataset([source_from_paths("eval", [url])], SEQ, VOCAB, reader=RemoteReader(QUICK))
+    finally:
+        http.ignore_ranges = False
+
+
+def test_globs_and_unknown_schemes_at_urls_are_refused(corpus, http):
+    with pytest.raises(DataFileError, match="a glob cannot be expanded at a URL"):
+        source_from_paths("train", f"{http.url}/olmo/*.npy")
+    with pytest.raises(DataFileError, match="the URL schemes read are"):
+        read_mix(corpus[1], "ftp://example.org/data", TOKENIZER)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads
+
+
+def test_transient_errors_are_retried_counted_and_change_nothing(corpus, http):
+    root, manifest = corpus
+    local = InstanceDataset(read_mix(manifest, root / "olmo" / "data", TOKENIZER), SEQ, VOCAB)
+    http.error_rate, sent = 0.2, http.errors_sent
+    try:
+        reader = RemoteReader(RetryPolicy(attempts=10, backoff_s=0.001))
+        remote = InstanceDataset(read_mix(manifest, f"{http.url}/olmo/data", TOKENIZER), SEQ, VOCAB, reader=reader)
+        ids = np.arange(len(local))
+        assert np.array_equal(remote.read(ids)[0], local.read(ids)[0])
+    finally:
+        http.error_rate = 0.0
+    assert reader.stats["data_retries"] == http.errors_sent - sent > 0
+    # Same files, same tail of their paths: the same dataset to a checkpoint.
+    assert remote.fingerprint() == local.fingerprint()
+
+
+def test_gs_urls_through_a_storage_emulator(corpus, http, monkeypatch):
+    root, manifest = corpus
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", http.url)  # the bucket is the served dir "olmo"
+    local = InstanceDataset(read_mix(manifest, root / "olmo" / "data", TOKENIZER), SEQ, VOCAB)
+    remote = InstanceDataset(read_mix(manifest, "gs://olmo/data", TOKENIZER), SEQ, VOCAB)
+    ids = np.arange(len(local))
+    assert np.array_equal(remote.read(ids)[0], local.read(ids)[0])
+    assert remote.fingerprint() == local.fingerprint()
+    before = http.size_requests
+    InstanceDataset(read_mix(manifest, "gs://olmo/data", TOKENIZER), SEQ, VOCAB, sizes=remote.remote_sizes)
+    assert http.size_requests == before  # known sizes are not asked for
+
+
+def test_olmo_cores_official_mix_at_its_public_root_without_a_request():
+    """The stage-1 manifest from the installed ai2-olmo-core wheel (read as a file), rooted at
+    AI2's HTTP host: 950 URLs; nothing is fetched until a dataset is built."""
+    import subprocess
+    import sys
+
+    sources = read_mix("olmo_core:OLMo-mix-0925-official.txt", "https://olmo-data.org", TOKENIZER)
+    urls = [p for s in sources for p in s.paths]
+    assert len(urls) == 950 and all(isinstance(u, str) for u in urls)
+    assert urls[0] == ("https://olmo-data.org/preprocessed/dolma3-0625/v0.1-official/allenai/dolma2-tokenizer/"
+                       "common_crawl/adult_content/000000.npy")
+    # Located, never imported (olmo_core imports torch):
+    check = ("import sys; from olmo_eqx.data.mixes import read_mix; "
+             "read_mix('olmo_core:OLMo-mix-0925-official.txt', 'https://olmo-data.org', 'x'); "
+             "assert 'olmo_core' not in sys.modules and 'torch' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", check]).returncode == 0
+    heldout = read_mix("olmo_core:v3-small-ppl-validation.txt", "s3://ai2-llm", TOKENIZER)
+    assert all(p.startswith("s3://ai2-llm/") for s in heldout for p in s.paths)
+    with pytest.raises(DataFileError, match="ai2-olmo-core ships no mix 'nope.txt'"):
+        read_mix("olmo_core:nope.txt", "https://olmo-data.org", TOKENIZER)
+
+
+def test_a_heldout_manifest_gives_one_set_per_label_at_the_data_root(corpus, http, tmp_path):
+    from olmo_eqx.config import DataConfig
+    from olmo_eqx.data.sources import build_datasets, remote_sizes
+
+    root, manifest = corpus
+    ppl = tmp_path / "ppl.txt"
+    ppl.write_text("c4_en-validation,eval/heldout.npy\nbooks-validation,{TOKENIZER}/part-000.npy\n")
+    data = DataConfig(source=str(manifest), data_root=f"{http.url}/olmo/data", tokenizer=TOKENIZER,
+                      heldout={"v3_small": str(ppl)}, sequence_length=SEQ)
+    train_set, heldout = build_datasets(data, VOCAB)
+    assert [h.name for h in heldout] == ["c4_en-validation", "books-validation"]
+    assert heldout[0].dataset.files[0].path == f"{http.url}/olmo/data/eval/heldout.npy"
+    assert len(remote_sizes(train_set, heldout)) == FILES + 1  # one file shared by both
