@@ -33,7 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from olmo_eqx.models.olmo3 import OLMo, Rope
+from olmo_eqx.models.base import CausalLM
+from olmo_eqx.models.olmo3 import Rope
 from olmo_eqx.sharding import ShardingRules, activation_sharding
 
 # Prompt lengths are padded up to a multiple of this, so a server-like stream of prompts
@@ -62,7 +63,7 @@ class KVCache(eqx.Module):
         return sum(a.size * a.dtype.itemsize for a in (*self.keys, *self.values))
 
 
-def _is_ring(model: OLMo, j: int) -> bool:
+def _is_ring(model: CausalLM, j: int) -> bool:
     return model.config.sliding_window is not None and model.config.is_sliding(j)
 
 
@@ -118,7 +119,7 @@ def _slot_table(table, slots, ring: bool, prefill: bool):
     return jax.lax.dynamic_update_slice_in_dim(table, slots, slots[0] % capacity, axis=0)
 
 
-def _forward(model: OLMo, cache: KVCache, tokens, *, prefill: bool, constrain=None):
+def _forward(model: CausalLM, cache: KVCache, tokens, *, prefill: bool, constrain=None):
     """Run `tokens` [b, t] at the cache's next slots: (updated cache, logits [b, t, vocab]).
 
     A prefill (cache empty, first slot 0) attends over its own keys, as a ring may be smaller
@@ -164,7 +165,7 @@ def _forward(model: OLMo, cache: KVCache, tokens, *, prefill: bool, constrain=No
     return cache, logits
 
 
-def empty_cache(model: OLMo, batch: int, capacity: int, start: Int[Array, " batch"]) -> KVCache:
+def empty_cache(model: CausalLM, batch: int, capacity: int, start: Int[Array, " batch"]) -> KVCache:
     """A cache for `capacity` slots (prompt + new tokens) of `batch` rows; rows begin at `start`."""
     config = model.config
     ring = min(config.sliding_window, capacity) if config.sliding_window is not None else 0
@@ -181,7 +182,7 @@ def empty_cache(model: OLMo, batch: int, capacity: int, start: Int[Array, " batc
 
 @eqx.filter_jit
 def prefill(
-    model: OLMo, tokens: Int[Array, "batch prompt"], start: Int[Array, " batch"], capacity: int
+    model: CausalLM, tokens: Int[Array, "batch prompt"], start: Int[Array, " batch"], capacity: int
 ) -> tuple[KVCache, Float[Array, "batch vocab"]]:
     """Run left-padded prompts (row b's real tokens from column start[b]) into a fresh cache of
     `capacity` slots; returns it and each row's next-token logits."""
@@ -191,7 +192,7 @@ def prefill(
 
 
 @eqx.filter_jit
-def decode_step(model: OLMo, cache: KVCache, tokens: Int[Array, " batch"]) -> tuple[KVCache, Float[Array, "batch vocab"]]:
+def decode_step(model: CausalLM, cache: KVCache, tokens: Int[Array, " batch"]) -> tuple[KVCache, Float[Array, "batch vocab"]]:
     """One token per row at the cache's next slot: (cache, next-token logits)."""
     cache, logits = _forward(model, cache, tokens[:, None], prefill=False)
     return cache, logits[:, 0]
@@ -286,7 +287,7 @@ def _batch_rows(mesh: Optional[Mesh], rules: ShardingRules) -> int:
 
 
 def generate(
-    model: OLMo,
+    model: CausalLM,
     prompt_ids: Sequence[Sequence[int]] | Int[np.ndarray, "batch prompt"],
     max_new_tokens: int,
     *,

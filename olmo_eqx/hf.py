@@ -1,4 +1,4 @@
-"""HuggingFace OLMo 2 / OLMo 3 checkpoints <-> olmo_eqx models, without torch.
+"""HuggingFace OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoints <-> olmo_eqx models, without torch.
 
 A HF checkpoint directory holds `config.json` and the weights in one `model.safetensors` or in
 shards listed by `model.safetensors.index.json`. HF stores linear weights [out, in] and the
@@ -20,10 +20,11 @@ from safetensors.flax import save_file
 
 from .errors import RunError
 from .models.config import ModelConfig, YarnConfig
-from .models.olmo3 import OLMo
+from .models.base import CausalLM
 from .models.registry import abstract_model
 
-SUPPORTED_MODEL_TYPES = ("olmo2", "olmo3")
+SUPPORTED_MODEL_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
+MOE_MODEL_TYPES = ("olmoe", "flex_olmo")  # their architecture names are HF's model types
 
 # Our path inside a stacked Block -> (HF name inside `model.layers.{i}.`, stored transposed?)
 _LAYER_TENSORS = {
@@ -38,6 +39,24 @@ _LAYER_TENSORS = {
     ("mlp", "up_proj"): ("mlp.up_proj.weight", True),
     ("mlp", "down_proj"): ("mlp.down_proj.weight", True),
     ("mlp_norm", "weight"): ("post_feedforward_layernorm.weight", False),
+}
+# The same for a MoEBlock (olmoe.py). Experts are one tensor per expert on the HF side, named
+# with `{expert}`; we stack them [expert, in, out].
+_MOE_LAYER_TENSORS = {
+    ("attention", "projections", "q_proj"): ("self_attn.q_proj.weight", True),
+    ("attention", "projections", "k_proj"): ("self_attn.k_proj.weight", True),
+    ("attention", "projections", "v_proj"): ("self_attn.v_proj.weight", True),
+    ("attention", "projections", "o_proj"): ("self_attn.o_proj.weight", True),
+    ("attention", "projections", "q_norm", "weight"): ("self_attn.q_norm.weight", False),
+    ("attention", "projections", "k_norm", "weight"): ("self_attn.k_norm.weight", False),
+    ("attention", "input_norm", "weight"): ("input_layernorm.weight", False),  # OLMoE
+    ("attention_norm", "weight"): ("post_attention_layernorm.weight", False),  # FlexOlmo
+    ("mlp_input_norm", "weight"): ("post_attention_layernorm.weight", False),  # OLMoE
+    ("moe", "router"): ("mlp.gate.weight", True),
+    ("moe", "experts", "gate_proj"): ("mlp.experts.{expert}.gate_proj.weight", True),
+    ("moe", "experts", "up_proj"): ("mlp.experts.{expert}.up_proj.weight", True),
+    ("moe", "experts", "down_proj"): ("mlp.experts.{expert}.down_proj.weight", True),
+    ("mlp_norm", "weight"): ("post_feedforward_layernorm.weight", False),  # FlexOlmo
 }
 
 
@@ -95,6 +114,16 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
     n_layers = hf["num_hidden_layers"]
     n_heads = hf["num_attention_heads"]
     sliding_window = None
+    moe = {}
+    if model_type in MOE_MODEL_TYPES:
+        moe = dict(
+            architecture=model_type,
+            n_experts=hf["num_experts"],
+            n_experts_per_token=hf["num_experts_per_tok"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
+            clip_qkv=hf.get("clip_qkv"),
+        )
     if model_type == "olmo3":
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
@@ -145,6 +174,7 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         init_std=float(hf.get("initializer_range", 0.02)),
+        **moe,
     )
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -168,6 +198,8 @@ def hf_config_dict(config: ModelConfig, *, dtype: str, eos_token_id: Optional[in
         }
         if y.attention_factor is not None:
             full["attention_factor"] = y.attention_factor
+    if config.architecture in MOE_MODEL_TYPES:
+        return _moe_hf_config_dict(config, plain, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if not olmo3 and config.yarn is not None:
         raise HFCheckpointError("YaRN needs OLMo 3's per-layer-type RoPE; an all-full-attention model can't carry it")
     hf = {
@@ -201,6 +233,29 @@ def hf_config_dict(config: ModelConfig, *, dtype: str, eos_token_id: Optional[in
     return hf
 
 
+def _moe_hf_config_dict(config: ModelConfig, rope: dict, **common) -> dict:
+    """`config.json` for OlmoeForCausalLM / FlexOlmoForCausalLM."""
+    if config.yarn is not None:
+        raise HFCheckpointError(f"model {config.name!r}: HF's {config.architecture} has no YaRN; set yarn: null")
+    if config.clip_qkv is not None and config.architecture == "flex_olmo":
+        raise HFCheckpointError("HF's flex_olmo has no clip_qkv; set clip_qkv: null or use architecture olmoe")
+    hf = hf_config_dict(config.replace(architecture="olmo3", n_experts=None, clip_qkv=None), **common)
+    name = {"olmoe": "OlmoeForCausalLM", "flex_olmo": "FlexOlmoForCausalLM"}[config.architecture]
+    hf.update(
+        architectures=[name],
+        model_type=config.architecture,
+        rope_parameters=rope,
+        num_experts=config.n_experts,
+        num_experts_per_tok=config.n_experts_per_token,
+        norm_topk_prob=config.norm_topk_prob,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        output_router_logits=False,
+    )
+    if config.architecture == "olmoe":
+        hf["clip_qkv"] = config.clip_qkv
+    return hf
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor names
 
@@ -214,7 +269,7 @@ def _hf_names(path: tuple[str, ...], layer: Optional[int]) -> tuple[str, bool]:
     }
     if path in top:
         return top[path]
-    name, transposed = _LAYER_TENSORS[path[1:]]
+    name, transposed = _LAYER_TENSORS[path[1:]] if path[1:] in _LAYER_TENSORS else _MOE_LAYER_TENSORS[path[1:]]
     return f"model.layers.{layer}.{name}", transposed
 
 
@@ -261,8 +316,8 @@ def read_hf_config(directory: Path) -> dict:
 
 
 def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
-            param_dtype: str = "float32", **config_overrides) -> OLMo:
-    """Read a local HF OLMo 2 / OLMo 3 checkpoint directory into an `OLMo` model.
+            param_dtype: str = "float32", **config_overrides) -> CausalLM:
+    """Read a local HF OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoint directory into a zoo model.
 
     `padded_vocab_size` defaults to the vocabulary rounded up to a multiple of 128;
     `config_overrides` set numerics such as `compute_dtype` or `attention_impl`.
@@ -294,10 +349,16 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             per_layer = []
             for layer in range(config.n_layers):
                 name, transposed = _hf_names(path_names, layer)
-                expected.add(name)
-                shape = leaf.shape[1:][::-1] if transposed else leaf.shape[1:]
-                tensor = read(name, tuple(shape))
-                per_layer.append(tensor.T if transposed else tensor)
+                if "{expert}" in name:  # one HF tensor per expert, stacked here
+                    names = [name.format(expert=e) for e in range(leaf.shape[1])]
+                    shape = leaf.shape[2:][::-1] if transposed else leaf.shape[2:]
+                else:
+                    names = [name]
+                    shape = leaf.shape[1:][::-1] if transposed else leaf.shape[1:]
+                expected.update(names)
+                tensors = [read(n, tuple(shape)) for n in names]
+                tensors = [t.T if transposed else t for t in tensors]
+                per_layer.append(np.stack(tensors) if "{expert}" in name else tensors[0])
             value = np.stack(per_layer)
         else:
             name, transposed = _hf_names(path_names, None)
@@ -325,7 +386,7 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
 # Saving
 
 
-def hf_state_dict(model: OLMo, *, dtype: Optional[str] = None) -> dict[str, jax.Array]:
+def hf_state_dict(model: CausalLM, *, dtype: Optional[str] = None) -> dict[str, jax.Array]:
     """`model`'s arrays under HF names and layouts (unpadded vocabulary, [out, in] linears).
 
     Works on any pytree shaped like the model, e.g. its gradients.
@@ -337,6 +398,10 @@ def hf_state_dict(model: OLMo, *, dtype: Optional[str] = None) -> dict[str, jax.
         if path_names[0] == "blocks":
             for layer in range(config.n_layers):
                 name, transposed = _hf_names(path_names, layer)
+                if "{expert}" in name:
+                    for expert, v in enumerate(value[layer]):
+                        tensors[name.format(expert=expert)] = v.T if transposed else v
+                    continue
                 tensors[name] = value[layer].T if transposed else value[layer]
             continue
         name, transposed = _hf_names(path_names, None)
@@ -348,7 +413,7 @@ def hf_state_dict(model: OLMo, *, dtype: Optional[str] = None) -> dict[str, jax.
     return {name: jnp.array(t) for name, t in tensors.items()}  # contiguous copies for safetensors
 
 
-def save_hf(model: OLMo, path: str | os.PathLike, *, dtype: Optional[str] = None,
+def save_hf(model: CausalLM, path: str | os.PathLike, *, dtype: Optional[str] = None,
             max_shard_bytes: int = 5 * 2**30, tokenizer: Optional[str | os.PathLike] = None,
             eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None) -> None:
     """Write `model` as a HF checkpoint directory that `transformers` loads as Olmo3/Olmo2ForCausalLM.

@@ -22,6 +22,10 @@ from .config import ModelConfig
 Constrain = Callable[[Array, tuple[str, ...]], Array]
 
 
+# The key of `CausalLM.hidden_states_and_aux`'s weighted term that joins the training objective.
+AUX_OBJECTIVE = "aux_objective"
+
+
 def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
     """The `Constrain` of a single device or no mesh: leave layout to the compiler."""
     return x
@@ -51,6 +55,22 @@ class CausalLM(eqx.Module):
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
         """The final-normed hidden states, which `logits` turns into logits."""
+
+    def hidden_states_and_aux(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+        constrain: Constrain = unconstrained,
+    ) -> tuple[Float[Array, "batch seq d_model"], dict[str, Float[Array, ""]]]:
+        """`hidden_states` plus the model's auxiliary training terms, float32 scalars by name.
+
+        Training adds `aux[AUX_OBJECTIVE]` (already weighted) to the objective and reports
+        every entry as a metric. Dense models have none; mixture-of-experts models return
+        their router losses and expert load (`olmoe.py`).
+        """
+        return self.hidden_states(tokens, positions, segment_ids=segment_ids, constrain=constrain), {}
 
     @abc.abstractmethod
     def logits(

@@ -10,6 +10,9 @@ from typing import Literal, Optional
 
 # "auto": cuDNN flash attention on GPU (bf16), Pallas splash on TPU, "blockwise" elsewhere.
 AttentionImpl = Literal["auto", "blockwise", "xla", "cudnn", "splash", "reference"]
+# "dropless": tokens sorted by expert, grouped matmuls (the training path); "dense": every
+# expert on every token, masked (a reference for tests; E/k times the FLOPs).
+MoEImpl = Literal["dropless", "dense"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "offload_projections"]
 DType = Literal["float32", "bfloat16"]
 
@@ -35,7 +38,8 @@ class ModelConfig:
 
     name: str = "olmo3_tiny"
     # Which module of the zoo this is (`olmo_eqx.models.registry.ARCHITECTURES`): "olmo3" is
-    # the OLMo 2 / OLMo 3 decoder (OLMo 2: sliding_window=None).
+    # the OLMo 2 / OLMo 3 decoder (OLMo 2: sliding_window=None); "olmoe" and "flex_olmo"
+    # the mixture-of-experts decoders of `olmoe.py`.
     architecture: str = "olmo3"
     vocab_size: int = 4096
     # Rows of the embedding and output head; a multiple of 128 for fast matmuls. Logits are
@@ -72,9 +76,31 @@ class ModelConfig:
     # independent of depth, what large models need) or unrolled (no loop: about 6% faster
     # steps on CPU for small models). None: unrolled up to 2 cycles (8 OLMo 3 layers).
     scan_layers: Optional[bool] = None
+    # Mixture of experts (architecture "olmoe" / "flex_olmo"; dense models leave these alone).
+    # Every layer's MLP becomes `n_experts` SwiGLU experts of width `mlp_hidden`, of which a
+    # router picks `n_experts_per_token` per token (softmax, then top-k).
+    n_experts: Optional[int] = None
+    n_experts_per_token: int = 8
+    # Renormalise the chosen experts' probabilities to sum to 1 (OLMoE and FlexOlmo: no).
+    norm_topk_prob: bool = False
+    # Weights of the router's load-balancing loss and z-loss in the objective (OLMoE's).
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the QK-norm (HF OLMoE's `clip_qkv`).
+    clip_qkv: Optional[float] = None
+    moe_impl: MoEImpl = "dropless"
 
     def __post_init__(self):
         problems = []
+        if self.architecture in ("olmoe", "flex_olmo"):
+            if self.n_experts is None or self.n_experts < 1:
+                problems.append(f"architecture {self.architecture!r} needs n_experts >= 1 (got {self.n_experts})")
+            elif not 1 <= self.n_experts_per_token <= self.n_experts:
+                problems.append(
+                    f"n_experts_per_token={self.n_experts_per_token} must be between 1 and n_experts={self.n_experts}"
+                )
+            if self.sliding_window is not None:
+                problems.append(f"architecture {self.architecture!r} has no sliding window; set sliding_window: null")
         if self.padded_vocab_size < self.vocab_size:
             problems.append(
                 f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}; "

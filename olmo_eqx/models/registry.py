@@ -15,9 +15,12 @@ from jaxtyping import PRNGKeyArray
 from .base import CausalLM
 from .config import ModelConfig
 from .olmo3 import OLMo
+from .olmoe import MoELM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "olmo3": OLMo,  # OLMo 2 and OLMo 3 (OLMo 2: sliding_window=None)
+    "olmoe": MoELM,  # OLMoE: pre-norm mixture of experts
+    "flex_olmo": MoELM,  # FlexOlmo: mixture of experts on OLMo 2's reordered-norm block
 }
 
 

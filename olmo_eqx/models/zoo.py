@@ -55,6 +55,24 @@ def _named(family: str, size: str, d_model, n_layers, n_heads, n_kv_heads, multi
     )
 
 
+# The mixture-of-experts models (olmoe.py). OLMoE-1B-7B is the released allenai/OLMoE-1B-7B-0924
+# config.json: 1.3B active of 6.9B parameters, GPT-NeoX-derived vocabulary of 50304 (already a
+# multiple of 128), RoPE theta 10^4. The tiny ones are CPU-sized, for tests and the default
+# MoE pretrain (8 experts, 2 active, expert width 128: active MLP width 256, 1/4 of the experts).
+_MOE_TINY = dict(
+    sliding_window=None, n_experts=8, n_experts_per_token=2, mlp_hidden=128, rope_theta=10_000.0, rms_norm_eps=1e-5
+)
+_MOE_ZOO = {
+    "olmoe_1b_7b": ModelConfig(
+        name="olmoe_1b_7b", architecture="olmoe", vocab_size=50_304, padded_vocab_size=50_304, d_model=2048,
+        n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, mlp_hidden=1024, n_experts=64, n_experts_per_token=8,
+        sliding_window=None, rope_theta=10_000.0, rms_norm_eps=1e-5, max_sequence_length=4096,
+    ),
+    "olmoe_tiny": ModelConfig(name="olmoe_tiny", architecture="olmoe", **_MOE_TINY),
+    "flex_olmo_tiny": ModelConfig(name="flex_olmo_tiny", architecture="flex_olmo", **_MOE_TINY),
+}
+
+
 def _build_zoo() -> dict[str, ModelConfig]:
     zoo = {}
     for size, shape in _OLMO2_SHAPES.items():
@@ -66,6 +84,7 @@ def _build_zoo() -> dict[str, ModelConfig]:
     zoo["olmo3_tiny"] = ModelConfig()
     # A grouped-query twin of the tiny model, for tests of the GQA paths.
     zoo["olmo3_tiny_gqa"] = ModelConfig(name="olmo3_tiny_gqa", n_kv_heads=2)
+    zoo.update(_MOE_ZOO)
     return zoo
 
 

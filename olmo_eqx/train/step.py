@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ..batch import TokenBatch, as_token_batch
-from ..models.base import CausalLM
+from ..models.base import AUX_OBJECTIVE, CausalLM
 from ..sharding import ShardingRules, activation_sharding, model_shardings, train_state_shardings
 from .loss import LossSums, chunked_loss_sums, objective, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
@@ -116,12 +116,20 @@ def skip_step(
 
 def model_loss_sums(model: CausalLM, batch: TokenBatch, constrain) -> LossSums:
     """The training loss of `model` on a batch: hidden states, then the chunked head + loss."""
-    hidden = model.hidden_states(batch.input_ids, batch.positions, segment_ids=batch.segment_ids, constrain=constrain)
+    return model_loss_sums_and_aux(model, batch, constrain)[0]
+
+
+def model_loss_sums_and_aux(model: CausalLM, batch: TokenBatch, constrain) -> tuple[LossSums, dict[str, Array]]:
+    """`model_loss_sums` and the model's auxiliary terms (router losses of a MoE; dense: {})."""
+    hidden, aux = model.hidden_states_and_aux(
+        batch.input_ids, batch.positions, segment_ids=batch.segment_ids, constrain=constrain
+    )
     config = model.config
-    return chunked_loss_sums(
+    sums = chunked_loss_sums(
         hidden, model.lm_head, batch.input_ids, batch.loss_mask,
         vocab_size=config.vocab_size, chunk_size=config.loss_chunk_size, constrain=constrain,
     )
+    return sums, aux
 
 
 def make_train_step(
@@ -143,7 +151,9 @@ def make_train_step(
 
     metrics (float32 device scalars): loss (mean cross-entropy over target tokens), z_loss
     (its weighted z-loss term), grad_norm (before clipping), lr, tokens (target count),
-    skipped (1.0 when the skip-step rule discarded the update).
+    skipped (1.0 when the skip-step rule discarded the update). A model with auxiliary terms
+    (`CausalLM.hidden_states_and_aux`: a MoE's router losses) adds its weighted term to the
+    objective (its mean over micro-batches) and reports every term, averaged likewise.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1")
@@ -157,8 +167,9 @@ def make_train_step(
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
         def micro_objective(params, batch: TokenBatch):
-            sums = model_loss_sums(eqx.combine(params, static), batch, constrain)
-            return objective(sums, z_weight, count), sums
+            sums, aux = model_loss_sums_and_aux(eqx.combine(params, static), batch, constrain)
+            aux = {name: value / micro_batches for name, value in aux.items()}
+            return objective(sums, z_weight, count) + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux)
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
 
@@ -172,7 +183,7 @@ def make_train_step(
             return jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
 
         if micro_batches == 1:
-            grads, sums = grad_fn(params, batch)
+            grads, (sums, aux) = grad_fn(params, batch)
             grads = to_f32(grads)
         else:
 
@@ -180,9 +191,13 @@ def make_train_step(
                 g, s = grad_fn(params, xs)
                 return jax.tree.map(jnp.add, carry, (to_f32(g), s)), None
 
-            zeros = (to_f32(jax.tree.map(jnp.zeros_like, params)), LossSums(*(jnp.zeros((), jnp.float32),) * 3))
             xs = jax.tree.map(lambda x: _split_micro_batches(x, micro_batches, mesh, rules), batch)
-            (grads, sums), _ = jax.lax.scan(accumulate, zeros, xs)
+            aux_shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], xs))[1][1]
+            zeros = (
+                to_f32(jax.tree.map(jnp.zeros_like, params)),
+                (LossSums(*(jnp.zeros((), jnp.float32),) * 3), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)),
+            )
+            (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, xs)
 
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
@@ -214,6 +229,7 @@ def make_train_step(
             "lr": lr,
             "tokens": count,
             "skipped": skipped.astype(jnp.float32),
+            **aux,
         }
         return new_state, metrics
 

@@ -1,0 +1,390 @@
+"""OLMoE and FlexOlmo, the OLMo family's mixture-of-experts decoders, readable top to bottom.
+
+    tokens -> embed -> [MoEBlock x n_layers] -> norm -> head
+
+Both replace every layer's MLP by `n_experts` SwiGLU experts and a router that sends each token
+to `n_experts_per_token` of them (softmax over the experts, then top-k; the chosen
+probabilities renormalised only with `norm_topk_prob`). Attention is OLMo 3's (full-width
+QK-norm over all heads together, RoPE, the kernels of `attention.py`) with full attention on
+every layer. The two differ in where the norms sit (HF transformers' `modeling_olmoe.py` and
+`modeling_flex_olmo.py`):
+
+    OLMoE ("olmoe", pre-norm):                 FlexOlmo ("flex_olmo", OLMo 2's reordered norm):
+    h   = x + attention(input_norm(x))         h   = x + attention_norm(attention(x))
+    out = h + moe(mlp_input_norm(h))           out = h + mlp_norm(moe(h))
+
+OLMoE may also clamp q, k, v to +-`clip_qkv` after the QK-norm (its released config does not).
+
+Routing is *dropless*: every token reaches all of its k experts, whatever the load. The k
+assignments of every token are sorted by expert and each expert's matmuls run over its
+contiguous group (`jax.lax.ragged_dot`, a grouped matmul): no capacity factor, no padding to
+the busiest expert, no dropped tokens, and the FLOPs of the k active experts only. `moe_impl:
+dense` runs every expert on every token and masks the result: the reference the tests check
+the dropless path against (E/k times the work).
+
+The router's auxiliary losses, per layer and then averaged over layers:
+  load balance  E * sum_e f_e * P_e  (f_e: fraction of the token->expert assignments that went
+                to expert e, P_e: mean router probability of e; 1 when perfectly balanced;
+                Switch Transformer's loss, as HF's `load_balancing_loss_func` but per layer)
+  z-loss        mean over tokens of logsumexp(router logits)^2 (ST-MoE), keeps logits small
+weighted by `router_aux_loss_coef` (0.01) and `router_z_loss_coef` (0.001), OLMoE's values. They
+reach training through `hidden_states_and_aux`, with each layer's expert load as metrics.
+
+Expert weights are stored [expert, in, out] with the logical axis "expert" first, so the
+sharding rules can split the experts over a mesh axis (expert parallelism).
+"""
+
+from typing import NamedTuple, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .attention import HEADS, KV_HEADS, AttentionMask, attend
+from .base import AUX_OBJECTIVE, CausalLM, Constrain, unconstrained
+from .base import axes as _axes
+from .config import ModelConfig
+from .olmo3 import _REMAT_POLICIES, HIDDEN, Attention, RMSNorm, Rope, _truncated_normal, dense, swiglu
+
+MOE_ARCHITECTURES = ("olmoe", "flex_olmo")
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: OLMo 3's, behind an optional input norm, with optional clipping.
+
+
+class MoEAttention(eqx.Module):
+    """OLMo 3's attention weights and kernels; OLMoE puts its pre-norm in front (`input_norm`).
+
+    Keeping the pre-norm inside the attention module lets the KV-cached decode of
+    `olmo_eqx.generate` call `project` / `output` on either block kind unchanged.
+    """
+
+    projections: Attention
+    input_norm: Optional[RMSNorm]  # HF OLMoE: input_layernorm; FlexOlmo: none
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        self.projections = Attention(config, key=key)
+        pre_norm = config.architecture == "olmoe"
+        self.input_norm = RMSNorm(config.d_model, config.rms_norm_eps, jnp.dtype(config.param_dtype)) if pre_norm else None
+
+    def project(
+        self, x: Float[Array, "batch seq d_model"], rope: Rope, *, config: ModelConfig, constrain: Constrain = unconstrained
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """q, k, v of the block input x: input norm, projections, QK-norm, clip, RoPE."""
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        p = self.projections
+        batch, seq, _ = x.shape
+        q = checkpoint_name(p.q_norm(dense(x, p.q_proj, constrain)), "q_proj")
+        k = checkpoint_name(p.k_norm(dense(x, p.k_proj, constrain)), "k_proj")
+        v = checkpoint_name(dense(x, p.v_proj, constrain), "v_proj")
+        if config.clip_qkv is not None:  # after the QK-norm, before RoPE, as HF's OLMoE
+            q, k, v = (jnp.clip(a, -config.clip_qkv, config.clip_qkv) for a in (q, k, v))
+        q = constrain(rope(q.reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
+        k = constrain(rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
+        v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
+        return q, k, v
+
+    def output(
+        self, context: Float[Array, "batch seq heads head_dim"], constrain: Constrain = unconstrained
+    ) -> Float[Array, "batch seq d_model"]:
+        return self.projections.output(context, constrain)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        rope: Rope,
+        *,
+        config: ModelConfig,
+        mask: AttentionMask,
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        q, k, v = self.project(x, rope, config=config, constrain=constrain)
+        context = attend(
+            q, k, v, mask, implementation=config.attention_impl, constrain=constrain, block_size=config.attention_block_size
+        )
+        return self.output(constrain(context, HEADS), constrain)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+class Routing(NamedTuple):
+    """Where each token goes: its k experts (best first) and their weights, plus the router's
+    logits and probabilities over all experts (for the auxiliary losses)."""
+
+    experts: Int[Array, "tokens k"]
+    weights: Float[Array, "tokens k"]  # float32
+    logits: Float[Array, "tokens n_experts"]  # float32
+    probs: Float[Array, "tokens n_experts"]  # float32
+
+
+class RouterStats(NamedTuple):
+    """One layer's router figures (stacked over layers by the scan)."""
+
+    load_balance: Float[Array, ""]
+    z_loss: Float[Array, ""]
+    load: Float[Array, " n_experts"]  # assignments per expert (sums to tokens * k)
+
+
+def route(x: Float[Array, "tokens d_model"], router: Float[Array, "d_model n_experts"], config: ModelConfig) -> Routing:
+    """Softmax over the experts in float32, then the top k (ties: the lower expert id)."""
+    logits = jnp.matmul(x, router.astype(x.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, config.n_experts_per_token)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights, logits, probs)
+
+
+def router_stats(routing: Routing) -> RouterStats:
+    tokens, k = routing.experts.shape
+    n_experts = routing.probs.shape[-1]
+    load = jnp.zeros((n_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+    fraction = load / (tokens * k)
+    mean_prob = jnp.mean(routing.probs, axis=0)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)))
+    return RouterStats(n_experts * jnp.sum(fraction * mean_prob), z, load)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts: dropless (sorted + grouped matmuls) and the dense reference
+
+
+class Experts(eqx.Module):
+    """`n_experts` SwiGLU MLPs, each down(silu(gate(x)) * up(x)), stacked on a leading axis."""
+
+    gate_proj: Float[Array, "n_experts d_model hidden"] = _axes("expert", "embed", "mlp")
+    up_proj: Float[Array, "n_experts d_model hidden"] = _axes("expert", "embed", "mlp")
+    down_proj: Float[Array, "n_experts hidden d_model"] = _axes("expert", "mlp", "embed")
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        dtype = jnp.dtype(config.param_dtype)
+        kg, ku, kd = jax.random.split(key, 3)
+        shape_in = (config.n_experts, config.d_model, config.mlp_hidden)
+        shape_out = (config.n_experts, config.mlp_hidden, config.d_model)
+        self.gate_proj = _truncated_normal(kg, shape_in, config.init_std, dtype)
+        self.up_proj = _truncated_normal(ku, shape_in, config.init_std, dtype)
+        self.down_proj = _truncated_normal(kd, shape_out, config.init_std, dtype)
+
+    def grouped(
+        self, x: Float[Array, "rows d_model"], group_sizes: Int[Array, " n_experts"]
+    ) -> Float[Array, "rows d_model"]:
+        """Rows sorted by expert (the first group_sizes[0] rows for expert 0, ...) through
+        their expert: three grouped matmuls, each row multiplied by its own expert only."""
+        w = lambda a: a.astype(x.dtype)  # noqa: E731
+        gate = checkpoint_name(jax.lax.ragged_dot(x, w(self.gate_proj), group_sizes), "gate_proj")
+        up = checkpoint_name(jax.lax.ragged_dot(x, w(self.up_proj), group_sizes), "up_proj")
+        return checkpoint_name(jax.lax.ragged_dot(swiglu(gate, up), w(self.down_proj), group_sizes), "down_proj")
+
+    def everywhere(self, x: Float[Array, "tokens d_model"]) -> Float[Array, "n_experts tokens d_model"]:
+        """Every expert on every token (the dense reference)."""
+        w = lambda a: a.astype(x.dtype)  # noqa: E731
+        gate = jnp.einsum("td,edh->eth", x, w(self.gate_proj))
+        up = jnp.einsum("td,edh->eth", x, w(self.up_proj))
+        return jnp.einsum("eth,ehd->etd", swiglu(gate, up), w(self.down_proj))
+
+
+def dropless(x: Float[Array, "tokens d_model"], routing: Routing, experts: Experts) -> Float[Array, "tokens d_model"]:
+    """Sort the tokens' k assignments by expert, run each expert over its group, unsort, and
+    sum each token's k outputs weighted by the router."""
+    tokens, k = routing.experts.shape
+    flat = routing.experts.reshape(-1)  # assignment a = token * k + slot
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    group_sizes = jnp.zeros((experts.gate_proj.shape[0],), jnp.int32).at[flat].add(1)
+    out = experts.grouped(x[order // k], group_sizes)
+    # Back to assignment order by the inverse permutation (a gather, not a scatter-add).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    out = out[inverse].reshape(tokens, k, -1)
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+
+
+def dense_reference(
+    x: Float[Array, "tokens d_model"], routing: Routing, experts: Experts
+) -> Float[Array, "tokens d_model"]:
+    """The same sum as `dropless`, with every expert computed on every token and masked."""
+    n_experts = experts.gate_proj.shape[0]
+    combine = jnp.einsum("tk,tke->te", routing.weights, jax.nn.one_hot(routing.experts, n_experts))
+    return jnp.einsum("etd,te->td", experts.everywhere(x), combine.astype(x.dtype))
+
+
+class MoE(eqx.Module):
+    """Router + experts: [batch, seq, d_model] -> the same shape, and the layer's router stats."""
+
+    router: Float[Array, "d_model n_experts"] = _axes("embed", "expert")
+    experts: Experts
+    config: ModelConfig = eqx.field(static=True)  # k, norm_topk_prob, moe_impl
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        self.config = config
+        kr, ke = jax.random.split(key)
+        shape = (config.d_model, config.n_experts)
+        self.router = _truncated_normal(kr, shape, config.init_std, jnp.dtype(config.param_dtype))
+        self.experts = Experts(config, key=ke)
+
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], constrain: Constrain = unconstrained
+    ) -> tuple[Float[Array, "batch seq d_model"], RouterStats]:
+        config = self.config
+        flat = x.reshape(-1, x.shape[-1])  # routing is per token: batch and sequence merge
+        routing = route(flat, self.router, config)
+        combine = dense_reference if config.moe_impl == "dense" else dropless
+        out = combine(flat, routing, self.experts)
+        return constrain(out.reshape(x.shape), HIDDEN), router_stats(routing)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block and the model
+
+
+class MoEBlock(eqx.Module):
+    attention: MoEAttention
+    # OLMoE uses the pre-norms (attention.input_norm, mlp_input_norm), FlexOlmo the output norms
+    # (attention_norm, mlp_norm); the other pair is None.
+    attention_norm: Optional[RMSNorm]  # FlexOlmo: post_attention_layernorm
+    mlp_input_norm: Optional[RMSNorm]  # OLMoE: post_attention_layernorm (the MLP's pre-norm)
+    moe: MoE
+    mlp_norm: Optional[RMSNorm]  # FlexOlmo: post_feedforward_layernorm
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        norm = lambda: RMSNorm(config.d_model, config.rms_norm_eps, jnp.dtype(config.param_dtype))  # noqa: E731
+        pre_norm = config.architecture == "olmoe"
+        self.attention = MoEAttention(config, key=ka)
+        self.attention_norm = None if pre_norm else norm()
+        self.mlp_input_norm = norm() if pre_norm else None
+        self.moe = MoE(config, key=km)
+        self.mlp_norm = None if pre_norm else norm()
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        rope: Rope,
+        *,
+        config: ModelConfig,
+        mask: AttentionMask,
+        constrain: Constrain = unconstrained,
+    ) -> tuple[Float[Array, "batch seq d_model"], RouterStats]:
+        attention = self.attention(x, rope, config=config, mask=mask, constrain=constrain)
+        return self.moe_after_attention(x, attention, constrain)
+
+    def moe_after_attention(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        attention: Float[Array, "batch seq d_model"],
+        constrain: Constrain = unconstrained,
+    ) -> tuple[Float[Array, "batch seq d_model"], RouterStats]:
+        """The residual adds and the MoE, once attention's output is known."""
+        if self.attention_norm is not None:
+            attention = self.attention_norm(attention)
+        h = constrain(x + attention, HIDDEN)
+        moe_in = h if self.mlp_input_norm is None else self.mlp_input_norm(h)
+        moe_out, stats = self.moe(moe_in, constrain)
+        if self.mlp_norm is not None:
+            moe_out = self.mlp_norm(moe_out)
+        return constrain(h + moe_out, HIDDEN), stats
+
+    def after_attention(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        attention: Float[Array, "batch seq d_model"],
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        """`moe_after_attention` without the stats: what the KV-cached decode calls."""
+        return self.moe_after_attention(x, attention, constrain)[0]
+
+
+class MoELM(CausalLM):
+    """An OLMoE / FlexOlmo causal language model: token ids in, float32 logits out."""
+
+    embed: Float[Array, "padded_vocab d_model"] = _axes("vocab", "embed")
+    blocks: MoEBlock = eqx.field(metadata={"stacked": True})  # every array: (n_layers, ...)
+    final_norm: RMSNorm
+    lm_head: Float[Array, "d_model padded_vocab"] = _axes("embed", "vocab")
+    config: ModelConfig = eqx.field(static=True)
+
+    def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
+        if config.architecture not in MOE_ARCHITECTURES or config.n_experts is None:
+            raise ValueError(
+                f"model {config.name!r}: MoELM builds {' and '.join(MOE_ARCHITECTURES)} with n_experts set, "
+                f"got architecture={config.architecture!r}, n_experts={config.n_experts}"
+            )
+        dtype = jnp.dtype(config.param_dtype)
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        self.config = config
+        self.embed = _truncated_normal(k_embed, (config.padded_vocab_size, config.d_model), config.init_std, dtype)
+        self.blocks = eqx.filter_vmap(lambda k: MoEBlock(config, key=k))(jax.random.split(k_blocks, config.n_layers))
+        self.final_norm = RMSNorm(config.d_model, config.rms_norm_eps, dtype)
+        self.lm_head = _truncated_normal(k_head, (config.d_model, config.padded_vocab_size), config.init_std, dtype)
+
+    def hidden_states_and_aux(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+        constrain: Constrain = unconstrained,
+    ) -> tuple[Float[Array, "batch seq d_model"], dict[str, Float[Array, ""]]]:
+        config = self.config
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1])[None, :]
+        else:
+            positions = constrain(positions, ("batch", "sequence"))
+        x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
+        rope = Rope(positions, config, yarn=config.yarn is not None)
+        mask = AttentionMask(None, segment_ids)
+
+        def apply_block(block: MoEBlock, x):
+            return block(x, rope, config=config, mask=mask, constrain=constrain)
+
+        if config.remat != "none":
+            apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[config.remat])
+
+        def layer(x, block: MoEBlock):
+            return apply_block(block, x)
+
+        x, stats = jax.lax.scan(layer, x, self.blocks, unroll=1 if config.scanned else config.n_layers)
+        return self.final_norm(x), self.aux_terms(stats)
+
+    def aux_terms(self, stats: RouterStats) -> dict[str, Float[Array, ""]]:
+        """The weighted router losses (the objective's share) and the figures to watch."""
+        config = self.config
+        load_balance, z_loss = jnp.mean(stats.load_balance), jnp.mean(stats.z_loss)
+        terms = {
+            AUX_OBJECTIVE: config.router_aux_loss_coef * load_balance + config.router_z_loss_coef * z_loss,
+            "router_load_balance": load_balance,
+            "router_z_loss": z_loss,
+            # Dropless routing: no token ever misses an expert. Reported so a run shows it.
+            "moe_dropped_tokens": jnp.zeros((), jnp.float32),
+        }
+        # Each layer's busiest expert relative to a perfectly even load (1.0 = balanced).
+        busiest = jnp.max(stats.load, axis=-1) / jnp.mean(stats.load, axis=-1)
+        for layer in range(config.n_layers):
+            terms[f"moe_max_load/layer_{layer}"] = busiest[layer]
+        return terms
+
+    def hidden_states(
+        self,
+        tokens: Int[Array, "batch seq"],
+        positions: Optional[Int[Array, "batch seq"]] = None,
+        *,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+        constrain: Constrain = unconstrained,
+    ) -> Float[Array, "batch seq d_model"]:
+        return self.hidden_states_and_aux(tokens, positions, segment_ids=segment_ids, constrain=constrain)[0]
+
+    def logits(
+        self, hidden: Float[Array, "*batch d_model"], *, constrain: Constrain = unconstrained
+    ) -> Float[Array, "*batch vocab"]:
+        logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if logits.ndim == 3:
+            logits = constrain(logits, ("batch", "sequence", "act_vocab"))
+        return logits[..., : self.config.vocab_size]
