@@ -230,3 +230,20 @@ def test_dropless_gradients_equal_the_dense_reference(pair):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30)
+
+
+def test_flops_count_the_active_experts_and_memory_all_of_them():
+    """OLMoE-1B-7B: 6.92B parameters, about 1.3B of them active per token (its model card)."""
+    from olmo_eqx import ZOO, count_params
+    from olmo_eqx.flops import matmul_params, total_matmul_params
+
+    config = ZOO["olmoe_1b_7b"]
+    embedding = config.padded_vocab_size * config.d_model
+    norms = config.n_layers * 4 * config.d_model + config.d_model  # 2 block norms, q/k norms (full width), final
+    assert count_params(config) == total_matmul_params(config) + embedding + norms == 6_919_161_856
+    active = matmul_params(config) + embedding
+    assert 1.25e9 < active < 1.35e9
+    expert_mlp = 3 * config.d_model * config.mlp_hidden
+    assert total_matmul_params(config) - matmul_params(config) == config.n_layers * (
+        config.n_experts - config.n_experts_per_token
+    ) * expert_mlp
