@@ -184,14 +184,17 @@ class Attention(eqx.Module):
         Float[Array, "batch seq kv_heads head_dim"],
         Float[Array, "batch seq kv_heads head_dim"],
     ]:
-        """q, k, v after QK-norm and RoPE (k and v are what a KV cache keeps: `olmo_eqx.generate`)."""
+        """q, k, v after QK-norm, clipping (OLMoE's `clip_qkv`, None elsewhere) and RoPE (k and v
+        are what a KV cache keeps: `olmo_eqx.generate`)."""
         batch, seq, _ = x.shape
         # The names mark what the "save_projections" remat policy keeps for the backward pass.
-        q = checkpoint_name(dense(x, self.q_proj, constrain), "q_proj")
-        k = checkpoint_name(dense(x, self.k_proj, constrain), "k_proj")
+        q = self.q_norm(checkpoint_name(dense(x, self.q_proj, constrain), "q_proj"))
+        k = self.k_norm(checkpoint_name(dense(x, self.k_proj, constrain), "k_proj"))
         v = checkpoint_name(dense(x, self.v_proj, constrain), "v_proj")
-        q = constrain(rope(self.q_norm(q).reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
-        k = constrain(rope(self.k_norm(k).reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
+        if config.clip_qkv is not None:  # after the QK-norm, before RoPE, as HF's OLMoE
+            q, k, v = (jnp.clip(a, -config.clip_qkv, config.clip_qkv) for a in (q, k, v))
+        q = constrain(rope(q.reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
+        k = constrain(rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
         v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
         return q, k, v
 

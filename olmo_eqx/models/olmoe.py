@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import HEADS, KV_HEADS, AttentionMask, attend
+from .attention import AttentionMask
 from .base import AUX_OBJECTIVE, CausalLM, Constrain, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
@@ -77,20 +77,10 @@ class MoEAttention(eqx.Module):
         Float[Array, "batch seq kv_heads head_dim"],
         Float[Array, "batch seq kv_heads head_dim"],
     ]:
-        """q, k, v of the block input x: input norm, projections, QK-norm, clip, RoPE."""
+        """q, k, v of the block input x: the input norm, then OLMo 3's projections."""
         if self.input_norm is not None:
             x = self.input_norm(x)
-        p = self.projections
-        batch, seq, _ = x.shape
-        q = checkpoint_name(p.q_norm(dense(x, p.q_proj, constrain)), "q_proj")
-        k = checkpoint_name(p.k_norm(dense(x, p.k_proj, constrain)), "k_proj")
-        v = checkpoint_name(dense(x, p.v_proj, constrain), "v_proj")
-        if config.clip_qkv is not None:  # after the QK-norm, before RoPE, as HF's OLMoE
-            q, k, v = (jnp.clip(a, -config.clip_qkv, config.clip_qkv) for a in (q, k, v))
-        q = constrain(rope(q.reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
-        k = constrain(rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim)), KV_HEADS)
-        v = constrain(v.reshape(batch, seq, config.n_kv_heads, config.head_dim), KV_HEADS)
-        return q, k, v
+        return self.projections.project(x, rope, config=config, constrain=constrain)
 
     def output(
         self, context: Float[Array, "batch seq heads head_dim"], constrain: Constrain = unconstrained
@@ -106,11 +96,9 @@ class MoEAttention(eqx.Module):
         mask: AttentionMask,
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
-        q, k, v = self.project(x, rope, config=config, constrain=constrain)
-        context = attend(
-            q, k, v, mask, implementation=config.attention_impl, constrain=constrain, block_size=config.attention_block_size
-        )
-        return self.output(constrain(context, HEADS), constrain)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.projections(x, rope, config=config, mask=mask, constrain=constrain)
 
 
 # ---------------------------------------------------------------------------------------------
