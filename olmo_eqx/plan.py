@@ -403,6 +403,9 @@ def estimate_step(config, devices, chip: Chip, collective_bytes: float, kernel: 
         # XLA's own cost model, plus the kernel's FLOPs at peak (it does not see them either).
         # (XLA:GPU has no time model: the CPU client's analysis gives none worth the name.)
         "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
+        # What the compiler said, kept when it is unusable: XLA:TPU has answered a negative
+        # `optimal_seconds` for large programs (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
+        "xla_optimal_seconds": {"one_cycle": one.get("optimal_seconds"), "two_cycles": two.get("optimal_seconds")},
     }
 
 
@@ -695,6 +698,10 @@ def format_estimate(p: dict) -> str:
     ]
     if est["xla_seconds"]:
         lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step, MFU {100 * est['xla_mfu']:.1f}%")
+    else:
+        raw = est.get("xla_optimal_seconds") or {}
+        said = ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in raw.items() if v is not None) or "nothing"
+        lines.append(f"  XLA's cost model: no usable step time (its optimal_seconds: {said}); the roofline stands alone")
     lines.append(f"  ({PUBLISHED_MFU})")
     return "\n".join(lines)
 
