@@ -720,6 +720,11 @@ def main(argv: list[str] | None = None) -> None:
     # The package has imported jax already, which read JAX_PLATFORMS then; its backends
     # start only now, so the setting still takes effect through the config.
     jax.config.update("jax_platforms", "cpu")
+    if target.platform != "cpu":
+        # A program for abstract chips cannot be loaded back from a persistent compilation
+        # cache (there is no client to load it into); a user's JAX_COMPILATION_CACHE_DIR
+        # would only collect entries that warn on every later read.
+        jax.config.update("jax_enable_compilation_cache", False)
     from .config import compose_config
 
     config = compose_config(overrides)

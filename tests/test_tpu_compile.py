@@ -28,6 +28,15 @@ def chips() -> list:
     return tpu_devices(TARGET)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_persistent_cache():
+    """A program compiled for abstract chips cannot be read back from JAX's persistent cache
+    (it has no client to load into): keep these compiles out of the suite's cache."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
 @pytest.fixture(autouse=True)
 def default_precision():
     """The suite asks for float32 matmuls everywhere (parity with PyTorch); Mosaic refuses
