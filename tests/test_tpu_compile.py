@@ -156,3 +156,20 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
                          ("save_attention", 1, None), ("full", 1, None)]
     assert tried[5:] == [("save_attention", 1, 1024), ("save_attention", 1, 256)]
     assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_attention", 1024)
+
+
+def test_near_ties_go_to_the_layout_the_estimates_can_see():
+    """Offloading to host ties with saving in HBM under both estimates (they see no host
+    transfers), and splash's block sizes all tie (XLA cannot see into the kernel): the 7B at
+    512 v5p chips gave 0.882 s for all three. The best is then the plain one."""
+    from olmo_eqx.plan import _best
+
+    def row(remat, block, step, total, host=0):
+        return {"remat": remat, "attention_block_size": block, "fits": True,
+                "bytes": {"total": total, "host": host}, "estimate": {"xla_seconds": None, "roofline_seconds": step}}
+
+    rows = [row("offload_projections", None, 0.8820, 16, host=22), row("save_projections", 1024, 0.8821, 40),
+            row("save_projections", None, 0.8822, 40), row("full", None, 1.161, 8)]
+    assert (_best(rows)["remat"], _best(rows)["attention_block_size"]) == ("save_projections", None)
+    faster = [*rows, row("offload_projections", 256, 0.80, 16, host=22)]  # more than 1% faster: it wins
+    assert _best(faster)["attention_block_size"] == 256
