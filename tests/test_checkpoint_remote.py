@@ -1,0 +1,135 @@
+"""Checkpoints on an object store (`checkpoint.dir=s3://...`), against moto's S3 server on
+127.0.0.1: digests written with the save and a commit object written last, verified on restore,
+a damaged step marked set aside and the previous one used, retention that keeps the last
+verified step; and a whole run that falls back to its previous step."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from olmo_eqx.checkpoint import CheckpointCorruptError, Checkpointer
+from olmo_eqx.checkpoint_remote import COMMITTED, SET_ASIDE_MARKER
+from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
+from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
+
+from test_checkpoint import OPTIM, SCHEDULE, TINY
+
+BUCKET = "olmo-ckpt"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on 127.0.0.1 with an empty bucket; the boto3 client the tests inspect with."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        env.setenv("AWS_ACCESS_KEY_ID", "testing")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+    server.stop()
+
+
+def keys(client, prefix):
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"][len(prefix):] for page in pages for o in page.get("Contents", []))
+
+
+def largest_model_object(client, prefix, step):
+    sizes = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}{step}/model/")["Contents"]}
+    return max(sizes, key=sizes.get)
+
+
+@pytest.fixture(scope="module")
+def state():
+    mesh = make_mesh(MeshConfig())
+    return init_train_state(TINY, OPTIM, SCHEDULE, mesh, ShardingRules(), jax.random.key(0)), mesh
+
+
+def test_save_verify_corrupt_fall_back_and_retention_on_s3(s3, state, tmp_path):
+    state, mesh = state
+    url, prefix = f"s3://{BUCKET}/run1", "run1/"
+    with Checkpointer(url, keep_last=2, async_save=False, staging=tmp_path / "staging") as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.save(step, state, loader_state={"step": step})
+        assert checkpointer.all_steps() == [2, 3]  # retention removed step 1 from the store
+        # The staged copies are gone once uploaded: the store holds the checkpoints.
+        assert not [p for p in (tmp_path / "staging").iterdir() if p.name.isdigit()]
+    objects = keys(s3, prefix)
+    assert not [k for k in objects if k.startswith("1/")]
+    committed = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{prefix}3/{COMMITTED}")["Body"].read())
+    assert committed["step"] == 3 and committed["algorithm"] == "sha256"
+    assert any(name.startswith("model/") for name in committed["files"])
+    assert all(f"3/{name}" in objects for name in committed["files"])
+
+    # One byte range of the newest step's weights overwritten in the store.
+    key = largest_model_object(s3, prefix, 3)
+    body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[100:140] = bytes(40)
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+
+    target = sharded_abstract_train_state(TINY, OPTIM, mesh, ShardingRules())
+    with Checkpointer(url, keep_last=2, async_save=False, staging=tmp_path / "staging2") as checkpointer:
+        with pytest.raises(CheckpointCorruptError) as damaged:
+            checkpointer.restore(3, target=target)
+        message = str(damaged.value)
+        assert message.startswith(f"checkpoint {url}/3 (step 3) is unusable: model/")
+        assert "contents changed since the save" in message
+        marker = checkpointer.set_aside(3, damaged.value.reason)
+        assert marker == f"{url}/3/{SET_ASIDE_MARKER}"
+        assert checkpointer.all_steps() == [2]  # the marked step is no longer listed ...
+        restored = checkpointer.restore(target=target)  # ... and the previous one is used
+        assert restored.step == 2 and restored.loader_state == {"step": 2}
+        for a, b in zip(jax.tree.leaves(restored.state.model), jax.tree.leaves(state.model)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+        # Saving step 3 again: the marked objects are copied under set_aside/, not overwritten.
+        checkpointer.save(3, state, loader_state={"step": 3})
+        checkpointer.save(4, state, loader_state={"step": 4})
+        assert checkpointer.all_steps() == [3, 4]
+        # keep_last=1 with the last verified step protected by the caller: retention keeps it.
+        checkpointer.keep_last = 1
+        checkpointer.protect(3)
+        checkpointer.save(5, state)
+        assert checkpointer.all_steps() == [3, 5]
+    aside = [k for k in keys(s3, prefix) if k.startswith("set_aside/")]
+    assert aside and all(k.startswith("set_aside/3-") for k in aside)
+    assert any(k.endswith(f"/{SET_ASIDE_MARKER}") for k in aside) and any(k.endswith(key[len(prefix) + 2:]) for k in aside)
+
+
+def test_retention_never_deletes_the_last_verified_step(s3, state, tmp_path):
+    """A newer step that is committed but damaged in the store does not push out the last
+    step this process verified."""
+    state, mesh = state
+    url, prefix = f"s3://{BUCKET}/run2", "run2/"
+    writer = Checkpointer(url, keep_last=1, async_save=False, staging=tmp_path / "a")
+    writer.save(1, state)
+    # Another writer's step 2 (committed in the store), unverified by this checkpointer.
+    with Checkpointer(url, keep_last=None, async_save=False, staging=tmp_path / "b") as other:
+        other.save(2, state)
+    writer.keep_last = 1
+    writer._prune()
+    assert writer.all_steps() == [1, 2]  # 1 is the last step this one verified: kept
+    writer.close()
+
+
+def test_an_interrupted_upload_is_no_checkpoint(s3, state, tmp_path):
+    """Objects of a step without its committed.json (an upload killed midway) are not listed,
+    and a save of that step moves them aside instead of mixing with them."""
+    state, mesh = state
+    url, prefix = f"s3://{BUCKET}/run3", "run3/"
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}7/model/partial", Body=b"half")
+    with Checkpointer(url, keep_last=3, async_save=False, staging=tmp_path / "s") as checkpointer:
+        assert checkpointer.all_steps() == []
+        checkpointer.save(7, state)
+        assert checkpointer.all_steps() == [7] and checkpointer.verify(7)
+    assert any(k.startswith("set_aside/7-uncommitted") for k in keys(s3, prefix))
+    assert f"7/model/partial" not in keys(s3, prefix)
