@@ -629,6 +629,8 @@ class Checkpointer:
             self._manager.close()
             if self._failed_step is not None:
                 self._remove_leftovers(self._failed_step)
+            if self.remote is not None and self.read_only:  # a reader's downloads: its own, done with
+                shutil.rmtree(self._local, ignore_errors=True)
 
     def __enter__(self) -> "Checkpointer":
         return self

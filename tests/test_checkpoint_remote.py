@@ -133,3 +133,32 @@ def test_an_interrupted_upload_is_no_checkpoint(s3, state, tmp_path):
         assert checkpointer.all_steps() == [7] and checkpointer.verify(7)
     assert any(k.startswith("set_aside/7-uncommitted") for k in keys(s3, prefix))
     assert f"7/model/partial" not in keys(s3, prefix)
+
+
+def test_a_run_checkpointing_to_s3_falls_back_from_a_damaged_step_and_recomputes_it(s3, tmp_path, monkeypatch):
+    from olmo_eqx.config import compose_config
+    from olmo_eqx.train.loop import LOG_FILE, train
+
+    from clihelp import TINY
+    from test_pretrain import read_metrics
+
+    monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path / "staging"))
+    url, prefix = f"s3://{BUCKET}/run4", "run4/"
+    config = compose_config(TINY + [f"checkpoint.dir={url}", "checkpoint.keep_last=3"])
+    assert train(config, tmp_path / "run")["stage_completed"]
+    first = read_metrics(tmp_path / "run")
+    with Checkpointer(url, read_only=True, staging=tmp_path / "look") as reader:
+        assert reader.all_steps() == [6, 12]
+    key = largest_model_object(s3, prefix, 12)
+    s3.put_object(Bucket=BUCKET, Key=key, Body=s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()[:-8])
+
+    summary = train(config, tmp_path / "run")
+    assert summary["start_step"] == 6 and summary["stage_completed"]
+    log = (tmp_path / "run" / LOG_FILE).read_text()
+    assert f"checkpoint {url}/12 (step 12) is unusable: model/" in log and "truncated" in log
+    assert f"set aside: {url}/12/{SET_ASIDE_MARKER}; falling back to step 6" in log
+    again = read_metrics(tmp_path / "run")
+    assert [again[s]["loss"] for s in range(7, 13)] == [first[s]["loss"] for s in range(7, 13)]
+    assert any(k.startswith("set_aside/12-") for k in keys(s3, prefix))  # the damaged step, kept
+    with Checkpointer(url, read_only=True, staging=tmp_path / "look2") as reader:
+        assert reader.all_steps() == [6, 12] and reader.verify(12)
