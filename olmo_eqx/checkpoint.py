@@ -32,8 +32,10 @@ This module is the Orbax side (save, restore, set-aside); each other concern has
     processes.py             what several processes agree on (listings, verdicts, failures)
 """
 
+import atexit
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -46,7 +48,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from .checkpoint_digests import DigestMismatch, digest_files, has_digests, verify_digests, write_digests
+from .checkpoint_digests import DIGEST_FILE, DigestMismatch, digest_files, has_digests, verify_digests, write_digests
 from .checkpoint_pins import pinned_steps, pins_locked
 from .checkpoint_remote import COMMITTED as COMMITTED_OBJECT, ObjectStoreError, RemoteSteps, default_staging, is_object_store
 from .checkpoint_retention import steps_to_delete
@@ -70,6 +72,9 @@ COMMIT_MARKER = "commit_success.txt"
 _ITEMS = ("model", "train", "loader", "config", "model_config", "health")
 # Items a step saved by an older olmo_eqx may lack.
 _OPTIONAL_ITEMS = ("health",)
+
+# Staging dirs of this process's read-only readers of object stores (removed at exit).
+_READER_STAGING: set[Path] = set()
 
 # Where damaged or half-written step directories go instead of being deleted.
 SET_ASIDE_DIR = "set_aside"
@@ -202,8 +207,11 @@ class Checkpointer:
             self.remote = RemoteSteps(text)
             # A reader gets a staging dir of its own: it must not touch a live writer's.
             staged = Path(staging).expanduser().resolve() if staging is not None else default_staging(text)
-            if read_only:
+            if read_only:  # shared by this process's readers, removed at its exit
                 staged = staged.with_name(f"{staged.name}-read-{os.getpid()}")
+                if staged not in _READER_STAGING:
+                    _READER_STAGING.add(staged)
+                    atexit.register(shutil.rmtree, staged, ignore_errors=True)
             staged.mkdir(parents=True, exist_ok=True)
             orbax_dir = epath.Path(staged)
         self._orbax_dir = orbax_dir
@@ -482,10 +490,26 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
         self._manager.reload()
 
+    def _copy_verifies(self, step: int, target: Path) -> bool:
+        """Whether the staging dir already holds a copy of committed step `step` (an earlier
+        download in this process) whose every file matches the committed digests."""
+        try:
+            committed = self.remote.committed(step)
+            held = json.loads((target / DIGEST_FILE).read_text())
+            if held.get("files") != committed["files"]:
+                return False
+            verify_digests(target)
+        except (DigestMismatch, ObjectStoreError, OSError, ValueError, KeyError, TypeError):
+            return False
+        self._verified.add(step)
+        return True
+
     def _verify_remote(self, step: int) -> bool:
         """Download committed step `step` into the staging dir and check it (a fresh copy each
         time: the store's bytes are what is verified, not an older download)."""
         target, tmp = self._local / str(step), self._local / f".download-{step}"
+        if self._copy_verifies(step, target):
+            return True
         for path in (target, tmp):
             shutil.rmtree(path, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -629,8 +653,7 @@ class Checkpointer:
             self._manager.close()
             if self._failed_step is not None:
                 self._remove_leftovers(self._failed_step)
-            if self.remote is not None and self.read_only:  # a reader's downloads: its own, done with
-                shutil.rmtree(self._local, ignore_errors=True)
+
 
     def __enter__(self) -> "Checkpointer":
         return self

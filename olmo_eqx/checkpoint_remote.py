@@ -241,13 +241,17 @@ class RemoteSteps:
         self.store.put_bytes(f"{step}/{COMMITTED}", (json.dumps(committed, indent=1) + "\n").encode())
         return committed
 
+    def committed(self, step: int) -> dict:
+        """The commit manifest of step `step` (`committed.json`)."""
+        return json.loads(self.store.get_bytes(f"{step}/{COMMITTED}"))
+
     def download(self, step: int, target: Path) -> None:
         """Every object of committed step `step` into the fresh directory `target`, with the
         committed manifest as its `digests.json` (what `verify_digests` checks)."""
         from .checkpoint_digests import DigestMismatch
 
         try:
-            committed = json.loads(self.store.get_bytes(f"{step}/{COMMITTED}"))
+            committed = self.committed(step)
             names = list(committed["files"]) + list(committed.get("unsealed", []))
         except (ValueError, KeyError, TypeError) as e:
             raise DigestMismatch(COMMITTED, f"the commit manifest is unreadable ({type(e).__name__}: {e})") from e

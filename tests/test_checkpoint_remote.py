@@ -162,3 +162,18 @@ def test_a_run_checkpointing_to_s3_falls_back_from_a_damaged_step_and_recomputes
     assert any(k.startswith("set_aside/12-") for k in keys(s3, prefix))  # the damaged step, kept
     with Checkpointer(url, read_only=True, staging=tmp_path / "look2") as reader:
         assert reader.all_steps() == [6, 12] and reader.verify(12)
+
+    # A later stage finds it as it finds a local one: the URL, a step under it, or the run dir
+    # (whose config.json names the URL); the weights come back verified.
+    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError
+    from olmo_eqx.warm_start import load_model, locate
+
+    assert str(locate(url)) == f"{url}/12" and locate(url).label == "run4@12"
+    assert locate(f"{url}/6").step == 6 and locate(tmp_path / "run").step == 12
+    with pytest.raises(CheckpointNotFoundError, match=r"no committed checkpoint of step 7 there; committed steps: \[6, 12\]"):
+        locate(f"{url}/7", error=CheckpointNotFoundError)
+    model = load_model(locate(url), make_mesh(MeshConfig()))
+    with Checkpointer(url, read_only=True) as reader:
+        target = sharded_abstract_train_state(config.model, config.optim, make_mesh(MeshConfig()), ShardingRules())
+        saved = reader.restore(12, target=target).state.model
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(saved)))
