@@ -177,3 +177,13 @@ def test_a_run_checkpointing_to_s3_falls_back_from_a_damaged_step_and_recomputes
         target = sharded_abstract_train_state(config.model, config.optim, make_mesh(MeshConfig()), ShardingRules())
         saved = reader.restore(12, target=target).state.model
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(saved)))
+
+
+def test_a_store_that_cannot_be_listed_stops_before_training(s3, state, tmp_path, monkeypatch):
+    from olmo_eqx.checkpoint_storage import CheckpointSaveError, check_storage
+
+    monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path))
+
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint store s3://no-such-bucket/x: listing failed: .*NoSuchBucket"):
+        check_storage("s3://no-such-bucket/x", state[0])
+    check_storage(f"s3://{BUCKET}/fine", state[0])  # reachable, and the staging dir has room
