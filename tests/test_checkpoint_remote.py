@@ -187,3 +187,36 @@ def test_a_store_that_cannot_be_listed_stops_before_training(s3, state, tmp_path
     with pytest.raises(CheckpointSaveError, match=r"^checkpoint store s3://no-such-bucket/x: listing failed: .*NoSuchBucket"):
         check_storage("s3://no-such-bucket/x", state[0])
     check_storage(f"s3://{BUCKET}/fine", state[0])  # reachable, and the staging dir has room
+
+
+def test_the_same_on_gcs_through_its_json_api(state, tmp_path, monkeypatch):
+    """gs:// through GCS's JSON API on rangeserver's emulation (uploads, listing, deletes,
+    copies): commit last, verify, a damaged step marked and the previous one used, retention."""
+    from rangeserver import RangeServer
+
+    state, mesh = state
+    (tmp_path / "served" / "ckpts").mkdir(parents=True)
+    server = RangeServer(tmp_path / "served")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    url, bucket_dir = "gs://ckpts/run", tmp_path / "served" / "ckpts" / "run"
+    try:
+        with Checkpointer(url, keep_last=2, async_save=False, staging=tmp_path / "s1") as checkpointer:
+            for step in (1, 2, 3):
+                checkpointer.save(step, state, loader_state={"step": step})
+            assert checkpointer.all_steps() == [2, 3] and not [p for p in (bucket_dir / "1").rglob("*") if p.is_file()]
+        assert (bucket_dir / "3" / COMMITTED).is_file()
+        weights = max((bucket_dir / "3" / "model").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
+        data = bytearray(weights.read_bytes())
+        data[50:60] = bytes(10)
+        weights.write_bytes(bytes(data))
+        target = sharded_abstract_train_state(TINY, OPTIM, mesh, ShardingRules())
+        with Checkpointer(url, keep_last=2, async_save=False, staging=tmp_path / "s2") as checkpointer:
+            with pytest.raises(CheckpointCorruptError, match=rf"^checkpoint {url}/3 \(step 3\) is unusable: model/.*contents changed"):
+                checkpointer.restore(3, target=target)
+            assert checkpointer.set_aside(3, "contents changed") == f"{url}/3/{SET_ASIDE_MARKER}"
+            assert checkpointer.restore(target=target).step == 2
+            checkpointer.save(3, state)  # the marked objects are copied aside first
+            assert checkpointer.all_steps() == [2, 3]
+        assert [p.name.split("-")[0] for p in (bucket_dir / "set_aside").iterdir()] == ["3"]
+    finally:
+        server.stop()
