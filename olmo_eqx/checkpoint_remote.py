@@ -26,9 +26,12 @@ this process verified (uploaded, or downloaded and checked) nor a marked one.
 
 Credentials are each store's standard chain: boto3's for S3 (environment, ~/.aws, instance
 metadata; `AWS_ENDPOINT_URL` for S3-compatible stores), Application Default Credentials for
-GCS (`STORAGE_EMULATOR_HOST` for an emulator). Limits: one process (a multi-process run
-needs every process's files in one place before the upload: not done yet), and the upload of
-a save runs when the next save starts or the run closes, in the training thread.
+GCS (`STORAGE_EMULATOR_HOST` for an emulator). Readers (eval, a later stage's
+`checkpoint.load`) download into a staging dir of their own process, shared by its readers and
+removed at exit. Limits: one process (a multi-process run needs every process's files in one
+place before the upload: not done yet), and the upload of a save runs when the next save
+starts or the run closes, in the training thread. Tested on moto's S3 server and on
+`tests/rangeserver.py`'s emulation of GCS's JSON API.
 """
 
 import hashlib
