@@ -50,7 +50,7 @@ from etils import epath
 
 from .checkpoint_digests import DIGEST_FILE, DigestMismatch, digest_files, has_digests, verify_digests, write_digests
 from .checkpoint_pins import pinned_steps, pins_locked
-from .checkpoint_remote import COMMITTED as COMMITTED_OBJECT, ObjectStoreError, RemoteSteps, default_staging, is_object_store
+from .checkpoint_remote import COMMITTED as COMMITTED_OBJECT, SET_ASIDE_MARKER as SET_ASIDE_OBJECT, ObjectStoreError, RemoteSteps, default_staging, is_object_store
 from .checkpoint_retention import steps_to_delete
 from .checkpoint_storage import CheckpointSaveError, os_reason
 from .models.config import ModelConfig, YarnConfig
@@ -242,6 +242,8 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,
             )
             self._manager = ocp.CheckpointManager(orbax_dir, options=options, item_names=_ITEMS)
+        if self.remote is not None and not read_only:
+            self._upload_pending()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -503,6 +505,24 @@ class Checkpointer:
             return False
         self._verified.add(step)
         return True
+
+    def _upload_pending(self) -> None:
+        """Upload the staged steps a killed run committed locally but never uploaded (the upload
+        runs at the next save or the close), once they still verify: nothing saved is lost."""
+        held = set(self.remote.committed_steps())
+        for path in sorted((p for p in self._local.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
+            step = int(path.name)
+            if step in held:
+                shutil.rmtree(path, ignore_errors=True)  # the store has it; this is a spare copy
+                continue
+            if not (path / COMMIT_MARKER).exists() or not has_digests(path) or SET_ASIDE_OBJECT in self.remote.occupied(step):
+                continue
+            try:
+                verify_digests(path)
+            except DigestMismatch:
+                continue  # in the way of a save of this step, it is set aside then
+            logging.getLogger(__name__).warning("uploading checkpoint step %d, staged at %s but never uploaded", step, path)
+            self._upload(step)
 
     def _verify_remote(self, step: int) -> bool:
         """Download committed step `step` into the staging dir and check it (a fresh copy each

@@ -30,7 +30,8 @@ GCS (`STORAGE_EMULATOR_HOST` for an emulator). Readers (eval, a later stage's
 `checkpoint.load`) download into a staging dir of their own process, shared by its readers and
 removed at exit. Limits: one process (a multi-process run needs every process's files in one
 place before the upload: not done yet), and the upload of a save runs when the next save
-starts or the run closes, in the training thread. Tested on moto's S3 server and on
+starts or the run closes, in the training thread (a run killed before it leaves the step
+committed in its staging dir; the next writer of the URL on that machine uploads it). Tested on moto's S3 server and on
 `tests/rangeserver.py`'s emulation of GCS's JSON API.
 """
 

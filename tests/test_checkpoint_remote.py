@@ -220,3 +220,21 @@ def test_the_same_on_gcs_through_its_json_api(state, tmp_path, monkeypatch):
         assert [p.name.split("-")[0] for p in (bucket_dir / "set_aside").iterdir()] == ["3"]
     finally:
         server.stop()
+
+
+def test_a_save_committed_locally_but_never_uploaded_is_uploaded_by_the_next_writer(s3, state, tmp_path):
+    """A run killed after Orbax committed a step into the staging dir, before its upload (which
+    runs at the next save or the close): the next writer of that URL uploads it."""
+    state, mesh = state
+    url = f"s3://{BUCKET}/run5"
+    first = Checkpointer(url, keep_last=3, staging=tmp_path / "s")
+    first.save(1, state)
+    first.wait_until_finished()
+    first.save(2, state)
+    first._manager.wait_until_finished()  # step 2 committed locally ...
+    first._manager.close()  # ... and the process dies before uploading it
+    with Checkpointer(url, read_only=True, staging=tmp_path / "r") as reader:
+        assert reader.all_steps() == [1]
+    with Checkpointer(url, keep_last=3, staging=tmp_path / "s") as second:
+        assert second.all_steps() == [1, 2] and second.verify(2)
+    assert not [p for p in (tmp_path / "s").iterdir() if p.name.isdigit()]
