@@ -22,6 +22,10 @@ one, and it never removes the `protected` step (the last one known good while a 
 trouble; `checkpoint_retention.py`). A step directory that is in the way of a save (no commit marker, or failed verification)
 is moved into `<dir>/set_aside/`, never deleted.
 
+On an object store (`s3://`, `gs://`), which has no rename, Orbax saves into a local staging
+dir with all of the above, and the committed step is uploaded with a `committed.json` (its
+digests) written last; set-aside is a `set_aside.json` marker (`checkpoint_remote.py`).
+
 This module is the Orbax side (save, restore, set-aside); each other concern has its own:
 
     checkpoint_digests.py    the manifest: who hashes which file, verification
@@ -29,6 +33,7 @@ This module is the Orbax side (save, restore, set-aside); each other concern has
     checkpoint_pins.py       readers of a live run keep their step from retention
     checkpoint_storage.py    the pre-flight storage check, a failed write's OS cause
     checkpoint_paths.py      what a user's path names (run dir, checkpoints dir, step, HF dir)
+    checkpoint_remote.py     checkpoints on object stores: upload, commit object, markers
     processes.py             what several processes agree on (listings, verdicts, failures)
 """
 
