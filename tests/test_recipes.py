@@ -99,6 +99,9 @@ def test_olmo3_7b_stage3_is_the_official_recipe():
 
 
 def test_the_stage_presets_show_with_cfg_job():
+    # The planner composes the run's overrides without a stage: each preset is one of them.
+    assert compose_config(["+recipe=olmo3_7b_stage2"]).data.global_batch_size == 256
+    assert compose_config(["+recipe=olmo3_7b_stage3"]).mesh.context == 8
     for stage, recipe, line in (("anneal", "olmo3_7b_stage2", "steps: 47684"),
                                 ("long_context", "olmo3_7b_stage3", "sequence_length: 65536")):
         shown = olmo_eqx(f"+stage={stage}", f"+recipe={recipe}", "--cfg", "job")
