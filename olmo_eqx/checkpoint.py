@@ -22,6 +22,10 @@ one, and it never removes the `protected` step (the last one known good while a 
 trouble; `checkpoint_retention.py`). A step directory that is in the way of a save (no commit marker, or failed verification)
 is moved into `<dir>/set_aside/`, never deleted.
 
+On an object store (`s3://`, `gs://`), which has no rename, Orbax saves into a local staging
+dir with all of the above, and the committed step is uploaded with a `committed.json` (its
+digests) written last; set-aside is a `set_aside.json` marker (`checkpoint_remote.py`).
+
 This module is the Orbax side (save, restore, set-aside); each other concern has its own:
 
     checkpoint_digests.py    the manifest: who hashes which file, verification
@@ -29,11 +33,14 @@ This module is the Orbax side (save, restore, set-aside); each other concern has
     checkpoint_pins.py       readers of a live run keep their step from retention
     checkpoint_storage.py    the pre-flight storage check, a failed write's OS cause
     checkpoint_paths.py      what a user's path names (run dir, checkpoints dir, step, HF dir)
+    checkpoint_remote.py     checkpoints on object stores: upload, commit object, markers
     processes.py             what several processes agree on (listings, verdicts, failures)
 """
 
+import atexit
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -46,8 +53,9 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from .checkpoint_digests import DigestMismatch, digest_files, has_digests, verify_digests, write_digests
+from .checkpoint_digests import DIGEST_FILE, DigestMismatch, digest_files, has_digests, verify_digests, write_digests
 from .checkpoint_pins import pinned_steps, pins_locked
+from .checkpoint_remote import COMMITTED as COMMITTED_OBJECT, SET_ASIDE_MARKER as SET_ASIDE_OBJECT, ObjectStoreError, RemoteSteps, default_staging, is_object_store
 from .checkpoint_retention import steps_to_delete
 from .checkpoint_storage import CheckpointSaveError, os_reason
 from .models.config import ModelConfig, YarnConfig
@@ -69,6 +77,9 @@ COMMIT_MARKER = "commit_success.txt"
 _ITEMS = ("model", "train", "loader", "config", "model_config", "health")
 # Items a step saved by an older olmo_eqx may lack.
 _OPTIONAL_ITEMS = ("health",)
+
+# Staging dirs of this process's read-only readers of object stores (removed at exit).
+_READER_STAGING: set[Path] = set()
 
 # Where damaged or half-written step directories go instead of being deleted.
 SET_ASIDE_DIR = "set_aside"
@@ -179,6 +190,7 @@ class Checkpointer:
         keep_every: Optional[int] = None,
         async_save: bool = True,
         read_only: bool = False,
+        staging: Optional[str | os.PathLike] = None,
     ):
         # Orbax refuses relative paths: resolve local ones against the current directory;
         # URLs (gs://...) are already absolute and go through etils' epath like Orbax itself.
@@ -186,8 +198,31 @@ class Checkpointer:
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else Path(text).expanduser().resolve())
         self.keep_last, self.keep_every, self.async_save = keep_last, keep_every, async_save
-        # Digests, set-aside and retention work on local paths; remote (gs://) steps go unverified.
-        self._local: Optional[Path] = None if "://" in text else Path(os.fspath(self.directory))
+        # s3:// and gs://: Orbax saves into a local staging dir, which is uploaded with its
+        # digests and a commit object written last (`checkpoint_remote.py`); every local
+        # guarantee then holds there. Other URLs go straight to Orbax, unverified.
+        self.remote: Optional[RemoteSteps] = None
+        orbax_dir = self.directory
+        if is_object_store(text):
+            if jax.process_count() > 1:
+                raise CheckpointSaveError(
+                    f"checkpoint.dir={text}: checkpoints on object stores are written by one process only so far "
+                    f"(this run has {jax.process_count()}); use a shared filesystem (e.g. a gcsfuse or s3 mount) as checkpoint.dir"
+                )
+            self.remote = RemoteSteps(text)
+            # A reader gets a staging dir of its own: it must not touch a live writer's.
+            staged = Path(staging).expanduser().resolve() if staging is not None else default_staging(text)
+            if read_only:  # shared by this process's readers, removed at its exit
+                staged = staged.with_name(f"{staged.name}-read-{os.getpid()}")
+                if staged not in _READER_STAGING:
+                    _READER_STAGING.add(staged)
+                    atexit.register(shutil.rmtree, staged, ignore_errors=True)
+            staged.mkdir(parents=True, exist_ok=True)
+            orbax_dir = epath.Path(staged)
+        self._orbax_dir = orbax_dir
+        # Digests, set-aside and retention work on local paths (a remote store's staging dir);
+        # other remote (gs:// through Orbax itself) steps would go unverified.
+        self._local: Optional[Path] = None if "://" in str(orbax_dir) else Path(os.fspath(orbax_dir))
         self._saving: Optional[int] = None  # the step of the save in flight
         self._failed_step: Optional[int] = None  # a save that failed: close() sweeps its leftovers again
         self._verified: set[int] = set()
@@ -205,13 +240,15 @@ class Checkpointer:
                 # waits for each save instead.
                 enable_async_checkpointing=True,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
-                create=not read_only,
-                read_only=read_only,
+                create=not read_only or self.remote is not None,
+                read_only=read_only and self.remote is None,  # a staging dir is always ours
                 # The writer removes tmp dirs left by a run killed mid-save; a reader (eval, export)
                 # must not, or it would delete a live run's in-flight save.
                 cleanup_tmp_directories=not read_only,
             )
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+            self._manager = ocp.CheckpointManager(orbax_dir, options=options, item_names=_ITEMS)
+        if self.remote is not None and not read_only:
+            self._upload_pending()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -225,12 +262,14 @@ class Checkpointer:
 
     def _list_steps(self) -> list[int]:
         """This process's own listing (process 0's, or a reader's)."""
+        if self.remote is not None:  # committed.json written last, no set-aside marker
+            return self.remote.committed_steps()
         self._manager.reload()
         # Orbax commits by renaming its tmp dir on POSIX and lists any step-named dir; also
         # demand the commit marker it writes last, so a step dir copied or synced without
         # finishing (or written by a non-atomic filesystem) is never taken for complete.
         return sorted(
-            step for step in self._manager.all_steps() if (self.directory / str(step) / COMMIT_MARKER).exists()
+            step for step in self._manager.all_steps() if (self._orbax_dir / str(step) / COMMIT_MARKER).exists()
         )
 
     def latest_step(self) -> Optional[int]:
@@ -282,11 +321,15 @@ class Checkpointer:
                 return False
             except CheckpointCorruptError as e:
                 in_the_way = e.reason
-        elif (self.directory / str(step)).exists():
+        elif self.remote is not None and self.remote.occupied(step):
+            in_the_way = "uncommitted or set aside"  # objects of a killed upload, or a marked step
+        elif (self._orbax_dir / str(step)).exists():
             # No commit marker: Orbax would refuse the step forever (StepAlreadyExistsError).
             in_the_way = "no commit marker"
         if in_the_way is not None:
             self.set_aside(step, in_the_way)
+            if self.remote is not None:  # no rename there: the objects are copied aside, then removed
+                self.remote.relocate(step)
             if jax.process_count() > 1:  # every process must see it gone before Orbax saves
                 from jax.experimental import multihost_utils
 
@@ -372,8 +415,18 @@ class Checkpointer:
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
 
-    def set_aside(self, step: int, reason: str) -> Optional[Path]:
-        """Move step `step`'s directory into `<dir>/set_aside/` (process 0); where it went."""
+    def set_aside(self, step: int, reason: str) -> Optional[Path | str]:
+        """Move step `step`'s directory into `<dir>/set_aside/` (process 0); where it went.
+        On an object store: write the step's `set_aside.json` marker (no move); the marker's URL."""
+        if self.remote is not None:
+            self._set_aside_local(step, reason)  # a staged or downloaded copy, if any
+            self._verified.discard(step)
+            if step in self.remote.committed_steps():
+                return self.remote.mark_set_aside(step, reason)
+            return None
+        return self._set_aside_local(step, reason)
+
+    def _set_aside_local(self, step: int, reason: str) -> Optional[Path]:
         if self._local is None or jax.process_index() != 0 or not (self._local / str(step)).exists():
             return None
         slug = "-".join("".join(c if c.isalnum() else " " for c in reason.lower()).split())[:40]
@@ -393,6 +446,9 @@ class Checkpointer:
         """Apply retention (`checkpoint_retention.steps_to_delete`) on process 0."""
         if self.read_only or self.keep_last is None or self._local is None or jax.process_index() != 0:
             return
+        if self.remote is not None:
+            self._prune_remote()
+            return
         steps = self._list_steps()
         sealed = {s for s in steps if has_digests(self._local / str(s))}
         doomed = []
@@ -411,6 +467,91 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
         self._manager.reload()
 
+    def _prune_remote(self) -> None:
+        """Retention on an object store: every committed step has its manifest; the newest step
+        this process verified (uploaded or checked on restore) is never deleted, nor a marked one
+        (listings skip those). Pins are local-only (`checkpoint_pins.py`)."""
+        steps = self.remote.committed_steps()
+        verified = [s for s in self._verified if s in steps]
+        protected = set(self.protected) | ({max(verified)} if verified else set())
+        for step in steps_to_delete(steps, set(steps), self.keep_last, self.keep_every, protected):
+            self.remote.delete(step)
+            self._verified.discard(step)
+
+    def _upload(self, step: int) -> None:
+        """Upload the committed staged step (`checkpoint_remote.RemoteSteps.upload`), then drop
+        the staged copies of steps the store holds."""
+        staged = self._local / str(step)
+        try:
+            self.remote.upload(step, staged)
+        except (ObjectStoreError, OSError, ValueError) as e:
+            raise CheckpointSaveError(
+                f"uploading checkpoint step {step} to {self.directory / str(step)} failed: {e}. It was not committed "
+                f"there (no {COMMITTED_OBJECT}); the staged copy is kept at {staged}. Fix the store or its "
+                "credentials, then rerun to resume from the last committed step"
+            ) from e
+        self._verified.add(step)
+        held = set(self.remote.committed_steps())
+        for path in self._local.iterdir():
+            if path.name.isdigit() and int(path.name) in held:
+                shutil.rmtree(path, ignore_errors=True)
+        self._manager.reload()
+
+    def _copy_verifies(self, step: int, target: Path) -> bool:
+        """Whether the staging dir already holds a copy of committed step `step` (an earlier
+        download in this process) whose every file matches the committed digests."""
+        try:
+            committed = self.remote.committed(step)
+            held = json.loads((target / DIGEST_FILE).read_text())
+            if held.get("files") != committed["files"]:
+                return False
+            verify_digests(target)
+        except (DigestMismatch, ObjectStoreError, OSError, ValueError, KeyError, TypeError):
+            return False
+        self._verified.add(step)
+        return True
+
+    def _upload_pending(self) -> None:
+        """Upload the staged steps a killed run committed locally but never uploaded (the upload
+        runs at the next save or the close), once they still verify: nothing saved is lost."""
+        held = set(self.remote.committed_steps())
+        for path in sorted((p for p in self._local.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
+            step = int(path.name)
+            if step in held:
+                shutil.rmtree(path, ignore_errors=True)  # the store has it; this is a spare copy
+                continue
+            if not (path / COMMIT_MARKER).exists() or not has_digests(path) or SET_ASIDE_OBJECT in self.remote.occupied(step):
+                continue
+            try:
+                verify_digests(path)
+            except DigestMismatch:
+                continue  # in the way of a save of this step, it is set aside then
+            logging.getLogger(__name__).warning("uploading checkpoint step %d, staged at %s but never uploaded", step, path)
+            self._upload(step)
+
+    def _verify_remote(self, step: int) -> bool:
+        """Download committed step `step` into the staging dir and check it (a fresh copy each
+        time: the store's bytes are what is verified, not an older download)."""
+        target, tmp = self._local / str(step), self._local / f".download-{step}"
+        if self._copy_verifies(step, target):
+            return True
+        for path in (target, tmp):
+            shutil.rmtree(path, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            self.remote.download(step, tmp)
+            verify_digests(tmp)
+        except DigestMismatch as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointCorruptError(self.directory / str(step), step, e.file, e.reason) from e
+        except (ObjectStoreError, OSError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointCorruptError(self.directory / str(step), step, "its objects", f"unreadable ({e})") from e
+        tmp.rename(target)
+        self._manager.reload()
+        self._verified.add(step)
+        return True
+
     # -- restore -----------------------------------------------------------------------------
 
     def verify(self, step: int) -> bool:
@@ -421,6 +562,8 @@ class Checkpointer:
         collective): each file is read once, not once per process."""
         if step in self._verified or self._local is None:
             return step in self._verified
+        if self.remote is not None:
+            return self._verify_remote(step)
         try:
             checked = verify_digests(self._local / str(step), (jax.process_index(), jax.process_count()))
             verdict = {"manifest": checked is not None, "mismatch": None}
@@ -468,7 +611,7 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         check_model_config(self.stored_model_config(step), target.model.config, f"checkpoint {self.directory / str(step)}")
-        optional = {name: ocp.args.JsonRestore() for name in _OPTIONAL_ITEMS if (self.directory / str(step) / name).exists()}
+        optional = {name: ocp.args.JsonRestore() for name in _OPTIONAL_ITEMS if (self._orbax_dir / str(step) / name).exists()}
         data = self._read(
             step,
             model=ocp.args.StandardRestore(target.model),
@@ -522,7 +665,9 @@ class Checkpointer:
                 raise
             self._failed(self._saving, e)
         if self._saving is not None:
-            self._saving = None
+            step, self._saving = self._saving, None
+            if self.remote is not None:
+                self._upload(step)
             self._prune()
 
     def close(self) -> None:
@@ -533,6 +678,7 @@ class Checkpointer:
             self._manager.close()
             if self._failed_step is not None:
                 self._remove_leftovers(self._failed_step)
+
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -69,17 +69,25 @@ class CheckpointLocation:
     `Checkpointer` opens) and `step` its step; kind "hf": `directory` is the HF model dir."""
 
     kind: Literal["olmo_eqx", "hf"]
-    directory: Path
+    directory: Path | str  # a str: a checkpoints dir on an object store (s3://, gs://)
     step: Optional[int] = None
 
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.directory, str)
+
     def __str__(self) -> str:
-        return str(self.directory / str(self.step)) if self.kind == "olmo_eqx" else str(self.directory)
+        if self.kind == "hf":
+            return str(self.directory)
+        return f"{self.directory}/{self.step}" if self.remote else str(self.directory / str(self.step))
 
     @property
     def label(self) -> str:
         """A short name for tables and logs: `<run dir name>@<step>` for ours, `hf:<dir>` for HF."""
         if self.kind == "hf":
             return f"hf:{self.directory}"
+        if self.remote:
+            return f"{self.directory.rsplit('/', 1)[-1]}@{self.step}"
         return f"{self.directory.parent.name or self.directory}@{self.step}"
 
 
@@ -95,13 +103,37 @@ def _is_hf_dir(directory: Path) -> bool:
     return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
-def _configured_checkpoint_dir(run_dir: Path) -> Optional[Path]:
+def _resolve_remote(url: str) -> CheckpointLocation:
+    """The committed step a `s3://` / `gs://` URL names: `<checkpoints url>/<step>`, or the
+    newest committed step of `<checkpoints url>` (`checkpoint_remote.py`)."""
+    from .checkpoint_remote import COMMITTED, RemoteSteps
+
+    url = url.rstrip("/")
+    head, _, tail = url.rpartition("/")
+    if tail.isdigit() and "/" in head.split("://", 1)[1]:
+        steps = RemoteSteps(head).committed_steps()
+        if int(tail) in steps:
+            return CheckpointLocation("olmo_eqx", head, int(tail))
+        if steps:
+            raise CheckpointNotFoundError(f"{url}: no committed checkpoint of step {tail} there; committed steps: {steps}")
+    steps = RemoteSteps(url).committed_steps()
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {url} (a step counts once its {COMMITTED} exists, and not when it is "
+            "set aside); give the checkpoint.dir of a run, or <that>/<step>"
+        )
+    return CheckpointLocation("olmo_eqx", url, steps[-1])
+
+
+def _configured_checkpoint_dir(run_dir: Path) -> Optional[Path | str]:
     """The `checkpoint.dir` a run's config.json names (None when it used <run dir>/checkpoints)."""
     try:
         config = json.loads((run_dir / "config.json").read_text())
         directory = config["checkpoint"]["dir"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if directory and directory.startswith(("s3://", "gs://")):
+        return directory
     return Path(directory) if directory and "://" not in directory else None
 
 
@@ -109,11 +141,10 @@ def resolve_checkpoint(path: str | os.PathLike, *, allow_hf: bool = True) -> Che
     """The checkpoint `path` names (see the module docstring); the latest complete step when
     it names a directory of several. Raises `CheckpointNotFoundError` with the fix otherwise."""
     text = os.fspath(path)
+    if text.startswith(("s3://", "gs://")):
+        return _resolve_remote(text)
     if "://" in text:
-        raise CheckpointNotFoundError(
-            f"{text}: remote checkpoints are read by opening their checkpoints dir directly "
-            "(olmo_eqx.checkpoint.Checkpointer); here give a local path"
-        )
+        raise CheckpointNotFoundError(f"{text}: the checkpoint URLs read are s3:// and gs://; here give one or a local path")
     given = Path(text).expanduser().resolve()
     if not given.exists():
         raise CheckpointNotFoundError(f"checkpoint path {given} does not exist")
@@ -129,6 +160,8 @@ def resolve_checkpoint(path: str | os.PathLike, *, allow_hf: bool = True) -> Che
         return CheckpointLocation("olmo_eqx", given.parent, int(given.name))
     candidates = [given, given / "checkpoints"]
     configured = _configured_checkpoint_dir(given)
+    if isinstance(configured, str):  # a run that checkpointed to an object store
+        return _resolve_remote(configured)
     if configured is not None:
         candidates.append(configured)
     for directory in candidates:

@@ -45,15 +45,26 @@ def check_storage(directory: str | os.PathLike, abstract_state: Any) -> None:
 
     Creates the directory, writes and removes a probe file, and compares the free space with
     the size of `abstract_state` (a tree of `jax.ShapeDtypeStruct`s: what a save writes).
-    Raises `CheckpointSaveError` naming the path, the OS error or both sizes. Remote
-    directories (gs://...) are left to the first save.
+    Raises `CheckpointSaveError` naming the path, the OS error or both sizes. On an object
+    store (s3://, gs://) it lists the store and checks the local staging dir the saves go
+    through (`checkpoint_remote.py`); other URLs are left to the first save.
     """
     text = os.fspath(directory)
-    if "://" in text:
-        return
-    path = Path(text)
-    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state) if hasattr(leaf, "dtype"))
     fix = "choose another checkpoint.dir or fix its permissions"
+    if text.startswith(("s3://", "gs://")):
+        # The store must answer a listing, and the local staging dir take one checkpoint.
+        from .checkpoint_remote import ObjectStoreError, RemoteSteps, default_staging
+
+        try:
+            RemoteSteps(text).committed_steps()
+        except ObjectStoreError as e:
+            raise CheckpointSaveError(str(e)) from e
+        path, fix = default_staging(text), "set OLMO_EQX_CHECKPOINT_STAGING to a local dir with room for one checkpoint"
+    elif "://" in text:
+        return
+    else:
+        path = Path(text)
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state) if hasattr(leaf, "dtype"))
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-probe-{os.getpid()}"
@@ -70,5 +81,5 @@ def check_storage(directory: str | os.PathLike, abstract_state: Any) -> None:
     if free < need:
         raise CheckpointSaveError(
             f"checkpoint dir {path} has {_gib(free)} free but one checkpoint of this state needs about "
-            f"{_gib(need)}; free space there or choose another checkpoint.dir"
+            f"{_gib(need)}; free space there or {fix}"
         )

@@ -53,7 +53,7 @@ def locate(path, key: str = "checkpoint.load", *, allow_hf: bool = True, error: 
 
     try:
         location = resolve_checkpoint(path, allow_hf=allow_hf)
-        if location.kind != "olmo_eqx":
+        if location.kind != "olmo_eqx" or location.remote:  # pins are local-only
             return location
         # Pinned, so the retention of a run still writing there cannot remove it while it is
         # read; a step named explicitly is never swapped for another.
@@ -137,8 +137,14 @@ def own_checkpoint(config: Config, run_dir: Path):
     """This run's latest complete checkpoint (a CheckpointLocation), or None."""
     from olmo_eqx.checkpoint_paths import CheckpointLocation, _complete_steps
 
+    if config.checkpoint.dir is not None and config.checkpoint.dir.startswith(("s3://", "gs://")):
+        from olmo_eqx.checkpoint import Checkpointer
+
+        with Checkpointer(config.checkpoint.dir, keep_last=None, read_only=True) as reader:
+            steps = reader.all_steps()
+        return CheckpointLocation("olmo_eqx", config.checkpoint.dir.rstrip("/"), steps[-1]) if steps else None
     if config.checkpoint.dir is not None and "://" in config.checkpoint.dir:
-        return None  # remote: let the loop's own resume logic handle it
+        return None  # another URL: let the loop's own resume logic handle it
     directory = Path(config.checkpoint.dir).expanduser().resolve() if config.checkpoint.dir else run_dir / "checkpoints"
     steps = _complete_steps(directory)
     return CheckpointLocation("olmo_eqx", directory, steps[-1]) if steps else None

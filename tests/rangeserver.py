@@ -3,7 +3,8 @@
 Serves a directory on 127.0.0.1 with HEAD, single `Range: bytes=a-b` GETs (206 with
 Content-Range), and GCS's JSON API paths (`/storage/v1/b/B/o/O` metadata and
 `/download/storage/v1/b/B/o/O?alt=media`, the object being the file B/O), so `gs://` URLs can
-be served with `STORAGE_EMULATOR_HOST`. Faults are injectable while it runs: a latency per
+be served with `STORAGE_EMULATOR_HOST`; also the JSON API's writes, for checkpoints on `gs://`
+(listing `/storage/v1/b/B/o?prefix=`, media uploads, deletes, `rewriteTo` copies). Faults are injectable while it runs: a latency per
 request, a fraction of answers that are 503, paths answering 404, a server that dies after
 a given number of requests (killed mid-run), and stop / restart on the same port.
 """
@@ -50,7 +51,14 @@ class RangeServer:
                 outer._answer(self, head=True)
 
             def do_GET(self):
-                outer._answer(self, head=False)
+                if not outer._gcs_write(self, "GET"):
+                    outer._answer(self, head=False)
+
+            def do_POST(self):
+                outer._gcs_write(self, "POST")
+
+            def do_DELETE(self):
+                outer._gcs_write(self, "DELETE")
 
         # Bind the same port again after a stop, so clients see a server that came back.
         ThreadingHTTPServer.allow_reuse_address = True
@@ -74,6 +82,52 @@ class RangeServer:
         handler.end_headers()
         if not head:
             handler.wfile.write(body)
+
+    def _gcs_write(self, handler, method: str) -> bool:
+        """GCS JSON API listing and writes on the served dir (bucket B = the dir B); False when
+        the request is none of those (a read, answered by `_answer`)."""
+        parts = urllib.parse.urlsplit(handler.path)
+        path, query = urllib.parse.unquote(parts.path), urllib.parse.parse_qs(parts.query)
+        with self._lock:
+            self.requests += 1
+        if method == "GET":
+            if not (path.startswith("/storage/v1/b/") and path.endswith("/o")):
+                with self._lock:
+                    self.requests -= 1  # counted by `_answer`
+                return False
+            bucket = self.root / path[len("/storage/v1/b/"):-len("/o")]
+            prefix = query.get("prefix", [""])[0]
+            items = [{"name": f.relative_to(bucket).as_posix(), "size": str(f.stat().st_size)}
+                     for f in sorted(bucket.rglob("*")) if f.is_file() and f.relative_to(bucket).as_posix().startswith(prefix)]
+            self._send(handler, 200, json.dumps({"items": items}).encode())
+            return True
+        body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        if method == "POST" and path.startswith("/upload/storage/v1/b/"):
+            bucket = path[len("/upload/storage/v1/b/"):].partition("/")[0]
+            target = self.root / bucket / query["name"][0]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(body)
+            self._send(handler, 200, json.dumps({"name": query["name"][0], "size": str(len(body))}).encode())
+            return True
+        bucket, _, name = path[len("/storage/v1/b/"):].partition("/o/")
+        if method == "POST" and "/rewriteTo/b/" in name:
+            source, _, rest = name.partition("/rewriteTo/b/")
+            to_bucket, _, to_name = rest.partition("/o/")
+            target = self.root / to_bucket / to_name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes((self.root / bucket / source).read_bytes())
+            self._send(handler, 200, json.dumps({"done": True}).encode())
+            return True
+        if method == "DELETE":
+            file = self.root / bucket / name
+            if not file.is_file():
+                self._send(handler, 404, b"not found")
+            else:
+                file.unlink()
+                self._send(handler, 204)
+            return True
+        self._send(handler, 400, b"unsupported")
+        return True
 
     def _answer(self, handler, head: bool) -> None:
         with self._lock:

@@ -263,7 +263,9 @@ def test_olmo_cores_official_mix_at_its_public_root_without_a_request():
     sources = read_mix("olmo_core:OLMo-mix-0925-official.txt", "https://olmo-data.org", TOKENIZER)
     urls = [p for s in sources for p in s.paths]
     assert len(urls) == 950 and all(isinstance(u, str) for u in urls)
-    assert urls[0] == ("https://olmo-data.org/preprocessed/dolma3-0625/v0.1-official/allenai/dolma2-tokenizer/"
+    # OLMo-core's own substitution (`DataMix.build`): the OLMo 3 mixes' files sit under
+    # allenai/dolma3-tokenizer/, the held-out sets under v3_small_dolma2-tokenizer/.
+    assert urls[0] == ("https://olmo-data.org/preprocessed/dolma3-0625/v0.1-official/allenai/dolma3-tokenizer/"
                        "common_crawl/adult_content/000000.npy")
     # Located, never imported (olmo_core imports torch):
     check = ("import sys; from olmo_eqx.data.mixes import read_mix; "
@@ -272,6 +274,7 @@ def test_olmo_cores_official_mix_at_its_public_root_without_a_request():
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0
     heldout = read_mix("olmo_core:v3-small-ppl-validation.txt", "s3://ai2-llm", TOKENIZER)
     assert all(p.startswith("s3://ai2-llm/") for s in heldout for p in s.paths)
+    assert heldout[0].paths[0] == "s3://ai2-llm/eval-data/perplexity/v3_small_dolma2-tokenizer/c4_en/val/part-0-00000.npy"
     with pytest.raises(DataFileError, match="ai2-olmo-core ships no mix 'nope.txt'"):
         read_mix("olmo_core:nope.txt", "https://olmo-data.org", TOKENIZER)
 

@@ -67,6 +67,33 @@ def source_from_paths(
 OLMO_CORE_PREFIX = "olmo_core:"
 
 
+# OLMo-core's `DataMix.build` (olmo_core/data/mixes/__init__.py, ai2-olmo-core 3.0.0) does not
+# put the tokenizer's name into every mix as given: the OLMo 3 mixes' files live under
+# `allenai/dolma3-tokenizer/` (the same tokenizer, renamed) and the held-out sets under
+# `v3_small_dolma2-tokenizer/`. `olmo_core:` manifests follow the same rule, or their URLs 404.
+_OLMO3_MIXES = frozenset({
+    "OLMo-mix-0625-official", "OLMo-mix-0925-official", "OLMo-midtraining-mix-0625-100B",
+    "OLMo-midtraining-mix-0925-ingredient1-100B", "OLMo-midtraining-mix-0925-ingredient2-100B",
+    "OLMo-longmino-mix-0625", "OLMo-longmino-mix-0925",
+})
+_DOLMA2 = "allenai/dolma2-tokenizer"
+
+
+def olmo_core_tokenizer_dir(mix: str, tokenizer: str) -> str:
+    """What OLMo-core substitutes for `{TOKENIZER}` in its mix `mix` (a manifest's file name)
+    given the tokenizer `tokenizer` (as `DataMix.build` does)."""
+    stem = mix.removesuffix(".txt")
+    if stem in ("v3-small-ppl-validation", "c4-ppl-validation"):
+        return {_DOLMA2: "dolma2-tokenizer", "allenai/gpt-neox-olmo-dolma-v1_5": "gptneox20b"}.get(tokenizer, tokenizer)
+    if stem == "code-fresh-ppl-validation" and tokenizer == _DOLMA2:
+        return "dolma2-tokenizer"
+    if stem == "OLMo-mix-0625" and tokenizer == "allenai/dolma2-tokenizer-sigdig":
+        return "dolma2-tokenizer-sigdig"
+    if stem in _OLMO3_MIXES and tokenizer == _DOLMA2:
+        return "allenai/dolma3-tokenizer"
+    return tokenizer
+
+
 def olmo_core_manifest(name: str) -> Path:
     """`olmo_core/data/mixes/NAME` of the installed `ai2-olmo-core` wheel, found without
     importing it (olmo_core imports torch): OLMo-core's mixes, read as the data files they are."""
@@ -100,6 +127,8 @@ def read_mix(
     """
     text = os.fspath(manifest)
     manifest = olmo_core_manifest(text[len(OLMO_CORE_PREFIX):]) if text.startswith(OLMO_CORE_PREFIX) else Path(text)
+    if text.startswith(OLMO_CORE_PREFIX):
+        tokenizer = olmo_core_tokenizer_dir(text[len(OLMO_CORE_PREFIX):], tokenizer)
     if not manifest.is_file():
         raise DataFileError(f"mix manifest {manifest} does not exist")
     root = os.fspath(data_root)

@@ -152,7 +152,7 @@ def _restore_or_init(
             except CheckpointMismatchError as e:
                 raise TrainError(f"cannot resume: {e}") from e
             except CheckpointCorruptError as e:
-                unusable.append(f"{e}; moved to {checkpointer.set_aside(step, e.reason)}")
+                unusable.append(f"{e}; set aside: {checkpointer.set_aside(step, e.reason)}")
                 continue
             state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
             health = SaveHealth.resumed(step, restored.health)
@@ -371,8 +371,9 @@ class _Loop:
                 checkpointer.set_aside(s, "saved during divergence")
             kept = f"the last good checkpoint is {checkpointer.directory / str(good)} (step {good}); a rerun resumes from it"
             if suspect:
-                kept += (f"; step(s) {suspect}, saved after the trouble began, were moved to "
-                         f"{checkpointer.directory / 'set_aside'}")
+                where = ("marked with set_aside.json in the store" if checkpointer.remote is not None
+                         else f"moved to {checkpointer.directory / 'set_aside'}")
+                kept += f"; step(s) {suspect}, saved after the trouble began, were {where}"
         else:
             kept = (f"no checkpoint is known good (none was followed by a healthy step); the newest, step "
                     f"{steps[-1]}, is where a rerun resumes")
