@@ -1,4 +1,4 @@
-"""HuggingFace OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoints <-> olmo_eqx models, without torch.
+"""HuggingFace OLMo 1 / OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoints <-> olmo_eqx models, without torch.
 
 A HF checkpoint directory holds `config.json` and the weights in one `model.safetensors` or in
 shards listed by `model.safetensors.index.json`. HF stores linear weights [out, in] and the
@@ -23,7 +23,7 @@ from .models.config import ModelConfig, YarnConfig
 from .models.base import CausalLM
 from .models.registry import abstract_model
 
-SUPPORTED_MODEL_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
+SUPPORTED_MODEL_TYPES = ("olmo", "olmo2", "olmo3", "olmoe", "flex_olmo")
 MOE_MODEL_TYPES = ("olmoe", "flex_olmo")  # their architecture names are HF's model types
 
 # Our path inside a stacked Block -> (HF name inside `model.layers.{i}.`, stored transposed?)
@@ -124,6 +124,8 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
             clip_qkv=hf.get("clip_qkv"),
         )
+    if model_type == "olmo":  # OLMo 1: its norms have no weights and a fixed eps (olmo1.py)
+        moe = dict(architecture="olmo", clip_qkv=hf.get("clip_qkv"))
     if model_type == "olmo3":
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
@@ -157,6 +159,8 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
         )
     elif rope_type != "default":
         raise HFCheckpointError(f"config.json uses rope_type={rope_type!r}; olmo_eqx supports 'default' and 'yarn'")
+    if yarn is not None and model_type == "olmo":
+        raise HFCheckpointError("config.json gives OLMo 1 YaRN RoPE scaling; olmo_eqx reads OLMo 1 with default RoPE only")
     vocab_size = hf["vocab_size"]
     fields = dict(
         name=hf.get("_name_or_path") or f"{model_type}_hf",
@@ -200,6 +204,8 @@ def hf_config_dict(config: ModelConfig, *, dtype: str, eos_token_id: Optional[in
             full["attention_factor"] = y.attention_factor
     if config.architecture in MOE_MODEL_TYPES:
         return _moe_hf_config_dict(config, plain, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if config.architecture == "olmo":
+        return _olmo1_hf_config_dict(config, plain, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if not olmo3 and config.yarn is not None:
         raise HFCheckpointError("YaRN needs OLMo 3's per-layer-type RoPE; an all-full-attention model can't carry it")
     hf = {
@@ -253,6 +259,16 @@ def _moe_hf_config_dict(config: ModelConfig, rope: dict, **common) -> dict:
     )
     if config.architecture == "olmoe":
         hf["clip_qkv"] = config.clip_qkv
+    return hf
+
+
+def _olmo1_hf_config_dict(config: ModelConfig, rope: dict, **common) -> dict:
+    """`config.json` for OlmoForCausalLM (no norm epsilon: HF's OLMo 1 LayerNorm fixes 1e-5)."""
+    if config.yarn is not None:
+        raise HFCheckpointError(f"model {config.name!r}: olmo_eqx writes OLMo 1 with default RoPE only; set yarn: null")
+    hf = hf_config_dict(config.replace(architecture="olmo3", clip_qkv=None), **common)
+    del hf["rms_norm_eps"]
+    hf.update(architectures=["OlmoForCausalLM"], model_type="olmo", rope_parameters=rope, clip_qkv=config.clip_qkv)
     return hf
 
 
@@ -317,7 +333,7 @@ def read_hf_config(directory: Path) -> dict:
 
 def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             param_dtype: str = "float32", **config_overrides) -> CausalLM:
-    """Read a local HF OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoint directory into a zoo model.
+    """Read a local HF OLMo 1 / OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoint directory into a zoo model.
 
     `padded_vocab_size` defaults to the vocabulary rounded up to a multiple of 128;
     `config_overrides` set numerics such as `compute_dtype` or `attention_impl`.

@@ -39,7 +39,7 @@ class ModelConfig:
     name: str = "olmo3_tiny"
     # Which module of the zoo this is (`olmo_eqx.models.registry.ARCHITECTURES`): "olmo3" is
     # the OLMo 2 / OLMo 3 decoder (OLMo 2: sliding_window=None); "olmoe" and "flex_olmo"
-    # the mixture-of-experts decoders of `olmoe.py`.
+    # the mixture-of-experts decoders of `olmoe.py`; "olmo" OLMo 1 (`olmo1.py`).
     architecture: str = "olmo3"
     vocab_size: int = 4096
     # Rows of the embedding and output head; a multiple of 128 for fast matmuls. Logits are
@@ -86,7 +86,8 @@ class ModelConfig:
     # Weights of the router's load-balancing loss and z-loss in the objective (OLMoE's).
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
-    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the QK-norm (HF OLMoE's `clip_qkv`).
+    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the QK-norm (HF OLMoE's `clip_qkv`;
+    # OLMo 1, which has no QK-norm: right after the projections).
     clip_qkv: Optional[float] = None
     moe_impl: MoEImpl = "dropless"
 
@@ -101,6 +102,8 @@ class ModelConfig:
                 )
             if self.sliding_window is not None:
                 problems.append(f"architecture {self.architecture!r} has no sliding window; set sliding_window: null")
+        if self.architecture == "olmo" and self.sliding_window is not None:
+            problems.append("architecture 'olmo' (OLMo 1) has no sliding window; set sliding_window: null")
         if self.padded_vocab_size < self.vocab_size:
             problems.append(
                 f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}; "

@@ -73,6 +73,21 @@ _MOE_ZOO = {
 }
 
 
+# OLMo 1 (olmo1.py): the released allenai/OLMo-7B-hf (February 2024) and OLMo-7B-0424-hf
+# (OLMo 1.7: clip_qkv 8, 4096 context) config.json; GPT-NeoX-derived vocabulary of 50280 ids
+# in an embedding of 50304 rows (HF's vocab_size), RoPE theta 10^4. The tiny one is CPU-sized.
+_OLMO1 = dict(architecture="olmo", sliding_window=None, rope_theta=10_000.0)
+_OLMO1_7B = dict(
+    vocab_size=50_304, padded_vocab_size=50_304, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+    mlp_hidden=11_008, **_OLMO1,
+)
+_OLMO1_ZOO = {
+    "olmo1_7b": ModelConfig(name="olmo1_7b", max_sequence_length=2048, **_OLMO1_7B),
+    "olmo1_7b_0424": ModelConfig(name="olmo1_7b_0424", max_sequence_length=4096, clip_qkv=8.0, **_OLMO1_7B),
+    "olmo1_tiny": ModelConfig(name="olmo1_tiny", **_OLMO1),
+}
+
+
 def _build_zoo() -> dict[str, ModelConfig]:
     zoo = {}
     for size, shape in _OLMO2_SHAPES.items():
@@ -85,6 +100,7 @@ def _build_zoo() -> dict[str, ModelConfig]:
     # A grouped-query twin of the tiny model, for tests of the GQA paths.
     zoo["olmo3_tiny_gqa"] = ModelConfig(name="olmo3_tiny_gqa", n_kv_heads=2)
     zoo.update(_MOE_ZOO)
+    zoo.update(_OLMO1_ZOO)
     return zoo
 
 
