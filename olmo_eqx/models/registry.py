@@ -16,6 +16,7 @@ from .base import CausalLM
 from .config import ModelConfig
 from .olmo1 import OLMo1
 from .olmo3 import OLMo
+from .olmo_hybrid import OLMoHybrid
 from .olmoe import MoELM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -23,6 +24,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "olmoe": MoELM,  # OLMoE: pre-norm mixture of experts
     "flex_olmo": MoELM,  # FlexOlmo: mixture of experts on OLMo 2's reordered-norm block
     "olmo": OLMo1,  # OLMo 1: pre-norm, non-parametric LayerNorm, optional clip_qkv
+    "olmo_hybrid": OLMoHybrid,  # OLMo-Hybrid: Gated DeltaNet layers between OLMo 3 attention layers
 }
 
 
