@@ -234,3 +234,21 @@ def test_greedy_generate_matches_pytorch(pair):
     with torch.no_grad():
         expected = hf_model.generate(torch.as_tensor(prompts), max_new_tokens=8, do_sample=False).numpy()[:, 70:]
     assert generate(ours, prompts, 8) == expected.tolist()
+
+
+def test_flops_and_parameters_of_the_released_7b():
+    """Olmo-Hybrid-7B: every parameter is a matmul weight, the embedding or a norm/decay vector;
+    the GDN layers' kernel FLOPs do not grow with the sequence, the attention layers' do."""
+    from olmo_eqx import ZOO, count_params
+    from olmo_eqx.flops import attention_flops_per_token, gdn_flops_per_token, matmul_params
+
+    config = ZOO["olmo_hybrid_7b"]
+    n_gdn, n_attention = 24, 8
+    assert config.layer_types.count("linear_attention") == n_gdn and config.cycle_length == 4
+    d, h = config.d_model, config.gdn_heads
+    vectors = n_gdn * (2 * d + config.gdn_value_dim + 2 * h) + n_attention * (2 * d + 2 * config.n_heads * config.head_dim) + d
+    assert count_params(config) == matmul_params(config) + config.padded_vocab_size * d + vectors
+    assert 7.3e9 < count_params(config) < 7.5e9
+    growth = attention_flops_per_token(config, 65_536) - attention_flops_per_token(config, 8192)
+    assert growth == n_attention * 12 * config.n_heads * config.head_dim * (65_536 - 8192)
+    assert gdn_flops_per_token(config) == 6 * h * (64 * (2 * 96 + (96 + 192) // 2 + 192) + 3 * 96 * 192)
