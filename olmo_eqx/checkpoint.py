@@ -116,6 +116,8 @@ def model_config_from_dict(data: dict) -> ModelConfig:
     data = dict(data)
     if data.get("yarn") is not None:
         data["yarn"] = YarnConfig(**data["yarn"])
+    if isinstance(data.get("layer_pattern"), list):  # JSON has no tuples
+        data["layer_pattern"] = tuple(data["layer_pattern"])
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in data.items() if k in known})
 

@@ -10,6 +10,10 @@ positions count real tokens only (HF's generate derives them from the attention 
 same way); padding slots are never attended to.
 
 - Full-attention layers keep every slot: [batch, P + max_new_tokens, kv_heads, head_dim].
+- OLMo-Hybrid's Gated DeltaNet layers keep no keys at all: a fixed-size float32 state per
+  head ([key_dim, value_dim]) and their convolutions' last `kernel - 1` inputs (`HybridCache`).
+  The prefill runs the chunked delta rule, each decode step the recurrent one; padding slots
+  enter those layers as zeros (HF's `apply_mask_to_padding_states`), which writes nothing.
 - Sliding-window layers keep a ring buffer of `sliding_window` slots (slot s at index
   s % window): their memory does not grow with the generated length (3 of OLMo 3's 4
   layers). After slot s is written the ring holds exactly the keys the query at s may see,
@@ -34,7 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from olmo_eqx.models.base import CausalLM
+from olmo_eqx.models import gated_deltanet
 from olmo_eqx.models.olmo3 import Rope
+from olmo_eqx.models.olmo_hybrid import OLMoHybrid, identity_rope
 from olmo_eqx.sharding import ShardingRules, activation_sharding
 
 # Prompt lengths are padded up to a multiple of this, so a server-like stream of prompts
@@ -119,12 +125,91 @@ def _slot_table(table, slots, ring: bool, prefill: bool):
     return jax.lax.dynamic_update_slice_in_dim(table, slots, slots[0] % capacity, axis=0)
 
 
-def _forward(model: CausalLM, cache: KVCache, tokens, *, prefill: bool, constrain=None):
+class HybridCache(eqx.Module):
+    """OLMo-Hybrid's decoding state: keys and values of its attention layers, and the delta-rule
+    state and convolution tails of its Gated DeltaNet layers, each [cycles, layers of that kind
+    per cycle, batch, ...]; slot bookkeeping as `KVCache`."""
+
+    keys: Array  # [cycles, attention per cycle, batch, capacity, kv_heads, head_dim]
+    values: Array
+    states: Float[Array, "cycles gdn batch heads key_dim value_dim"]
+    conv_tails: tuple[Array, Array, Array]  # q, k, v: [cycles, gdn per cycle, batch, kernel - 1, features]
+    full_slots: Int[Array, " full"]
+    start: Int[Array, " batch"]
+    next_slot: Int[Array, ""]
+
+
+def _hybrid_empty_cache(model: OLMoHybrid, batch: int, capacity: int, start) -> HybridCache:
+    config = model.config
+    n_cycles = config.n_layers // config.cycle_length
+    n_gdn, n_attention = config.layer_pattern.count("gdn"), config.layer_pattern.count("attention")
+    dtype = config.compute_dtype
+    kv = jnp.zeros((n_cycles, n_attention, batch, capacity, config.n_kv_heads, config.head_dim), dtype)
+    states = jnp.zeros((n_cycles, n_gdn, batch, config.gdn_heads, config.gdn_key_dim, config.gdn_value_dim), jnp.float32)
+    key_features, value_features = config.gdn_key_heads * config.gdn_key_dim, config.gdn_heads * config.gdn_value_dim
+    tail = lambda features: jnp.zeros((n_cycles, n_gdn, batch, config.gdn_conv_kernel - 1, features), dtype)  # noqa: E731
+    return HybridCache(kv, kv, states, (tail(key_features), tail(key_features), tail(value_features)),
+                       jnp.full((capacity,), -1, jnp.int32), jnp.asarray(start, jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def _hybrid_forward(model: OLMoHybrid, cache: HybridCache, tokens, *, prefill: bool, constrain=None):
+    """`_forward` for OLMo-Hybrid: attention layers as OLMo 3's full ones, GDN layers from their state."""
+    config = model.config
+    constrain = constrain or (lambda x, axes: x)
+    t = tokens.shape[1]
+    slots = cache.next_slot + jnp.arange(t, dtype=jnp.int32)
+    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
+    real = (slots[None, :] >= cache.start[:, None])[..., None]  # [b, t, 1]
+    x = jnp.take(model.embed, tokens, axis=0).astype(config.compute_dtype)
+    rope = Rope(positions, config, yarn=config.yarn is not None) if config.use_rope else identity_rope(positions, config)
+    full_slots = _slot_table(cache.full_slots, slots, ring=False, prefill=prefill)
+    kernel = gated_deltanet.chunked if prefill else gated_deltanet.recurrent
+    kernel_options = {"chunk_size": config.gdn_chunk_size} if prefill else {}
+
+    def run_cycle(x, inputs):
+        gdn, attention, keys, values, states, tails = inputs
+        new_keys, new_values, new_states, new_tails = [], [], [], []
+        for kind in config.layer_pattern:
+            if kind == "gdn":
+                i = len(new_states)
+                block = jax.tree.map(lambda a: a[i], gdn)
+                h = jnp.where(real, block.input_norm(x), 0).astype(x.dtype)
+                args, tail = block.gdn.inputs(h, config=config, conv_tails=tuple(c[i] for c in tails), constrain=constrain)
+                o, state = kernel(*args, state=states[i], **kernel_options)
+                x = block.after_mixer(x, block.gdn.output(o, h, constrain), constrain)
+                new_states.append(state)
+                new_tails.append(tail)
+            else:
+                i = len(new_keys)
+                block = jax.tree.map(lambda a: a[i], attention)
+                q, k, v = block.attention.project(x, rope, config=config, constrain=constrain)
+                cache_k = _write(keys[i], k, cache.next_slot, False, prefill)
+                cache_v = _write(values[i], v, cache.next_slot, False, prefill)
+                if prefill:
+                    context = _attend_cached(q, k, v, slots, slots, cache.start, None)
+                else:
+                    context = _attend_cached(q, cache_k, cache_v, slots, full_slots, cache.start, None)
+                x = block.after_attention(x, block.attention.output(context.astype(x.dtype)), constrain)
+                new_keys.append(cache_k)
+                new_values.append(cache_v)
+        tails = tuple(jnp.stack([tail[c] for tail in new_tails]) for c in range(3))
+        return x, (jnp.stack(new_keys), jnp.stack(new_values), jnp.stack(new_states), tails)
+
+    gdn_cycles, attention_cycles = model.cycles()
+    xs = (gdn_cycles, attention_cycles, cache.keys, cache.values, cache.states, cache.conv_tails)
+    x, (keys, values, states, tails) = jax.lax.scan(run_cycle, x, xs)
+    logits = model.logits(model.final_norm(x))
+    return HybridCache(keys, values, states, tails, full_slots, cache.start, cache.next_slot + t), logits
+
+
+def _forward(model: CausalLM, cache: KVCache | HybridCache, tokens, *, prefill: bool, constrain=None):
     """Run `tokens` [b, t] at the cache's next slots: (updated cache, logits [b, t, vocab]).
 
     A prefill (cache empty, first slot 0) attends over its own keys, as a ring may be smaller
     than the prompt; a decode step writes its one slot first and then attends over the cache.
     """
+    if isinstance(model, OLMoHybrid):
+        return _hybrid_forward(model, cache, tokens, prefill=prefill, constrain=constrain)
     config = model.config
     constrain = constrain or (lambda x, axes: x)
     t = tokens.shape[1]
@@ -165,8 +250,10 @@ def _forward(model: CausalLM, cache: KVCache, tokens, *, prefill: bool, constrai
     return cache, logits
 
 
-def empty_cache(model: CausalLM, batch: int, capacity: int, start: Int[Array, " batch"]) -> KVCache:
+def empty_cache(model: CausalLM, batch: int, capacity: int, start: Int[Array, " batch"]) -> KVCache | HybridCache:
     """A cache for `capacity` slots (prompt + new tokens) of `batch` rows; rows begin at `start`."""
+    if isinstance(model, OLMoHybrid):
+        return _hybrid_empty_cache(model, batch, capacity, start)
     config = model.config
     ring = min(config.sliding_window, capacity) if config.sliding_window is not None else 0
     n_cycles = config.n_layers // config.cycle_length
@@ -183,7 +270,7 @@ def empty_cache(model: CausalLM, batch: int, capacity: int, start: Int[Array, " 
 @eqx.filter_jit
 def prefill(
     model: CausalLM, tokens: Int[Array, "batch prompt"], start: Int[Array, " batch"], capacity: int
-) -> tuple[KVCache, Float[Array, "batch vocab"]]:
+) -> tuple[KVCache | HybridCache, Float[Array, "batch vocab"]]:
     """Run left-padded prompts (row b's real tokens from column start[b]) into a fresh cache of
     `capacity` slots; returns it and each row's next-token logits."""
     cache = empty_cache(model, tokens.shape[0], capacity, start)
@@ -192,7 +279,9 @@ def prefill(
 
 
 @eqx.filter_jit
-def decode_step(model: CausalLM, cache: KVCache, tokens: Int[Array, " batch"]) -> tuple[KVCache, Float[Array, "batch vocab"]]:
+def decode_step(
+    model: CausalLM, cache: KVCache | HybridCache, tokens: Int[Array, " batch"]
+) -> tuple[KVCache | HybridCache, Float[Array, "batch vocab"]]:
     """One token per row at the cache's next slot: (cache, next-token logits)."""
     cache, logits = _forward(model, cache, tokens[:, None], prefill=False)
     return cache, logits[:, 0]
@@ -255,9 +344,9 @@ def _generate(model, tokens, start, stop_ids, key, max_new_tokens: int, sampling
     return out
 
 
-def _pin_rows(cache: KVCache, constrain) -> KVCache:
+def _pin_rows(cache, constrain):
     """Keep the cache's rows where the batch is (the mesh's batch axes), like activations."""
-    if constrain is None:
+    if constrain is None or isinstance(cache, HybridCache):  # the hybrid's cache: left to the compiler
         return cache
     pin = lambda a: constrain(a, ("layers", "batch", "sequence", "act_kv_heads", "head_dim"))  # noqa: E731
     return eqx.tree_at(lambda c: (c.keys, c.values), cache,

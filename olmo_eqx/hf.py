@@ -1,4 +1,4 @@
-"""HuggingFace OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoints <-> olmo_eqx models, without torch.
+"""HuggingFace OLMo 1 / OLMo 2 / OLMo 3 / OLMoE / FlexOlmo / OLMo-Hybrid checkpoints <-> olmo_eqx models, without torch.
 
 A HF checkpoint directory holds `config.json` and the weights in one `model.safetensors` or in
 shards listed by `model.safetensors.index.json`. HF stores linear weights [out, in] and the
@@ -23,7 +23,7 @@ from .models.config import ModelConfig, YarnConfig
 from .models.base import CausalLM
 from .models.registry import abstract_model
 
-SUPPORTED_MODEL_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo")
+SUPPORTED_MODEL_TYPES = ("olmo", "olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid")
 MOE_MODEL_TYPES = ("olmoe", "flex_olmo")  # their architecture names are HF's model types
 
 # Our path inside a stacked Block -> (HF name inside `model.layers.{i}.`, stored transposed?)
@@ -58,6 +58,75 @@ _MOE_LAYER_TENSORS = {
     ("moe", "experts", "down_proj"): ("mlp.experts.{expert}.down_proj.weight", True),
     ("mlp_norm", "weight"): ("post_feedforward_layernorm.weight", False),  # FlexOlmo
 }
+
+
+# The same for an OLMo-Hybrid GDNBlock (olmo_hybrid.py), under the names of its checkpoint files
+# (OLMo-core's, which transformers renames when loading: attention_layer_norm is its
+# input_layernorm, feedforward_layer_norm its post_attention_layernorm, and it concatenates the
+# three convolutions into one conv1d). A convolution is stored [kernel, channels] here,
+# [channels, 1, kernel] in the files ("conv").
+_GDN_LAYER_TENSORS = {
+    ("input_norm", "weight"): ("attention_layer_norm.weight", False),
+    **{("gdn", p): (f"linear_attn.{p}.weight", True) for p in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj",
+                                                              "g_proj", "o_proj")},
+    **{("gdn", f"{p}_conv"): (f"linear_attn.{p}_conv1d.weight", "conv") for p in "qkv"},
+    ("gdn", "A_log"): ("linear_attn.A_log", False),
+    ("gdn", "dt_bias"): ("linear_attn.dt_bias", False),
+    ("gdn", "o_norm", "weight"): ("linear_attn.o_norm.weight", False),
+    ("mlp_input_norm", "weight"): ("feedforward_layer_norm.weight", False),
+    ("mlp", "gate_proj"): ("mlp.gate_proj.weight", True),
+    ("mlp", "up_proj"): ("mlp.up_proj.weight", True),
+    ("mlp", "down_proj"): ("mlp.down_proj.weight", True),
+}
+# Its attention layers are OLMo 3 Blocks; the post-attention norm's file name is OLMo-core's.
+_HYBRID_ATTENTION_LAYER_TENSORS = {**_LAYER_TENSORS, ("attention_norm", "weight"): ("feedforward_layer_norm.weight", False)}
+# Fields of a model holding a stack of layers (a leading layer axis).
+_STACKS = ("blocks", "gdn_blocks", "attention_blocks")
+# Tensors of a released checkpoint that no olmo_eqx model holds (OLMo-Hybrid's multi-token
+# prediction head, which HF's model skips as well).
+_IGNORED_PREFIXES = ("mtp.",)
+
+
+def _hybrid_conv(name: str, tensor, shape: tuple[int, ...], get) -> np.ndarray:
+    """One of OLMo-Hybrid's q/k/v convolutions from a checkpoint. transformers (5.x) saves its
+    fused conv1d split into three *equal* parts under the q/k/v names whatever their widths;
+    the three concatenated are the fused q|k|v taps either way, so cut that at our widths."""
+    prefix = name.removesuffix(name.split(".")[-2] + ".weight")
+    parts = [get(f"{prefix}{c}_conv1d.weight") for c in "qkv"]
+    if any(p is None for p in parts) or tuple(tensor.shape) == shape:
+        return np.asarray(tensor)
+    fused = np.concatenate([np.asarray(p) for p in parts], axis=0)
+    which = "qkv".index(name.split(".")[-2][0])
+    key_features = (fused.shape[0] - shape[0]) // 2 if which == 2 else shape[0]
+    start = {0: 0, 1: key_features, 2: 2 * key_features}[which]
+    return fused[start : start + shape[0]]
+
+
+def _stack_layers(config: ModelConfig, stack: str) -> list[int]:
+    """HF layer numbers of the layers in one of our stacks, in stack order."""
+    if stack == "blocks":
+        return list(range(config.n_layers))
+    from .models.olmo_hybrid import stack_layers
+
+    return stack_layers(config, "gdn" if stack == "gdn_blocks" else "attention")
+
+
+def _hf_shape(shape: tuple[int, ...], layout) -> tuple[int, ...]:
+    if layout == "conv":
+        return (shape[1], 1, shape[0])
+    return tuple(shape[::-1]) if layout else tuple(shape)
+
+
+def _from_hf(tensor: np.ndarray, layout) -> np.ndarray:
+    if layout == "conv":
+        return tensor[:, 0, :].T
+    return tensor.T if layout else tensor
+
+
+def _to_hf(value, layout):
+    if layout == "conv":
+        return value.T[:, None, :]
+    return value.T if layout else value
 
 
 class HFCheckpointError(RunError, ValueError):
@@ -124,6 +193,10 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
             clip_qkv=hf.get("clip_qkv"),
         )
+    if model_type == "olmo":  # OLMo 1: its norms have no weights and a fixed eps (olmo1.py)
+        moe = dict(architecture="olmo", clip_qkv=hf.get("clip_qkv"))
+    if model_type == "olmo_hybrid":
+        moe = _hybrid_fields(hf, n_layers)
     if model_type == "olmo3":
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
@@ -138,8 +211,8 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
                 f"config.json layer_types {layer_types} is not OLMo 3's 3 sliding : 1 full pattern"
             )
     full_rope = _rope_of(hf, "full_attention")
-    rope_theta = float(full_rope.get("rope_theta", 500_000.0))
-    sliding_theta = float(_rope_of(hf, "sliding_attention").get("rope_theta", rope_theta))
+    rope_theta = float(full_rope.get("rope_theta") or 500_000.0)
+    sliding_theta = float(_rope_of(hf, "sliding_attention").get("rope_theta") or rope_theta)
     if sliding_window is not None and sliding_theta != rope_theta:
         raise HFCheckpointError(
             f"config.json gives sliding layers rope_theta={sliding_theta} and full layers {rope_theta}; "
@@ -157,6 +230,8 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
         )
     elif rope_type != "default":
         raise HFCheckpointError(f"config.json uses rope_type={rope_type!r}; olmo_eqx supports 'default' and 'yarn'")
+    if yarn is not None and model_type == "olmo":
+        raise HFCheckpointError("config.json gives OLMo 1 YaRN RoPE scaling; olmo_eqx reads OLMo 1 with default RoPE only")
     vocab_size = hf["vocab_size"]
     fields = dict(
         name=hf.get("_name_or_path") or f"{model_type}_hf",
@@ -180,6 +255,53 @@ def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, *
     return ModelConfig(**fields)
 
 
+def _hybrid_fields(hf: dict, n_layers: int) -> dict:
+    """OLMo-Hybrid's fields of a ModelConfig: the shortest repeating layer pattern, the Gated
+    DeltaNet shapes, RoPE or NoPE (`rope_theta` null)."""
+    kinds = {"linear_attention": "gdn", "full_attention": "attention"}
+    layer_types = hf.get("layer_types") or ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n_layers)]
+    unknown = sorted(set(layer_types) - set(kinds))
+    if unknown:
+        raise HFCheckpointError(f"config.json layer_types has {unknown}; OLMo-Hybrid layers are {sorted(kinds)}")
+    layers = [kinds[t] for t in layer_types]
+    period = next(p for p in range(1, n_layers + 1) if n_layers % p == 0 and layers == layers[:p] * (n_layers // p))
+    n_heads = hf["num_attention_heads"]
+    key_heads = hf.get("linear_num_key_heads") or n_heads
+    key_dim = hf.get("linear_key_head_dim") or int(0.75 * hf["hidden_size"] / key_heads)
+    rope = hf.get("rope_parameters")
+    return dict(
+        architecture="olmo_hybrid",
+        layer_pattern=tuple(layers[:period]),
+        gdn_heads=hf.get("linear_num_value_heads") or n_heads,
+        gdn_key_heads=key_heads,
+        gdn_key_dim=key_dim,
+        gdn_value_dim=hf.get("linear_value_head_dim") or 2 * key_dim,
+        gdn_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+        gdn_allow_neg_eigval=bool(hf.get("linear_allow_neg_eigval", True)),
+        use_rope=not (isinstance(rope, dict) and rope.get("rope_theta") is None),
+    )
+
+
+def _hybrid_hf_config_dict(config: ModelConfig, rope: dict, **common) -> dict:
+    """`config.json` for OlmoHybridForCausalLM."""
+    if config.yarn is not None:
+        raise HFCheckpointError(f"model {config.name!r}: olmo_eqx writes OLMo-Hybrid with default RoPE only; set yarn: null")
+    hf = hf_config_dict(config.replace(architecture="olmo3"), **common)
+    hf.update(
+        architectures=["OlmoHybridForCausalLM"],
+        model_type="olmo_hybrid",
+        layer_types=config.layer_types,
+        rope_parameters=rope if config.use_rope else {"rope_type": "default", "rope_theta": None},
+        linear_num_key_heads=config.gdn_key_heads,
+        linear_num_value_heads=config.gdn_heads,
+        linear_key_head_dim=config.gdn_key_dim,
+        linear_value_head_dim=config.gdn_value_dim,
+        linear_conv_kernel_dim=config.gdn_conv_kernel,
+        linear_allow_neg_eigval=config.gdn_allow_neg_eigval,
+    )
+    return hf
+
+
 def hf_config_dict(config: ModelConfig, *, dtype: str, eos_token_id: Optional[int] = None,
                    pad_token_id: Optional[int] = None) -> dict:
     """The `config.json` transformers needs to rebuild `config` as Olmo3ForCausalLM / Olmo2ForCausalLM."""
@@ -200,6 +322,10 @@ def hf_config_dict(config: ModelConfig, *, dtype: str, eos_token_id: Optional[in
             full["attention_factor"] = y.attention_factor
     if config.architecture in MOE_MODEL_TYPES:
         return _moe_hf_config_dict(config, plain, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if config.architecture == "olmo_hybrid":
+        return _hybrid_hf_config_dict(config, plain, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if config.architecture == "olmo":
+        return _olmo1_hf_config_dict(config, plain, dtype=dtype, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if not olmo3 and config.yarn is not None:
         raise HFCheckpointError("YaRN needs OLMo 3's per-layer-type RoPE; an all-full-attention model can't carry it")
     hf = {
@@ -256,12 +382,22 @@ def _moe_hf_config_dict(config: ModelConfig, rope: dict, **common) -> dict:
     return hf
 
 
+def _olmo1_hf_config_dict(config: ModelConfig, rope: dict, **common) -> dict:
+    """`config.json` for OlmoForCausalLM (no norm epsilon: HF's OLMo 1 LayerNorm fixes 1e-5)."""
+    if config.yarn is not None:
+        raise HFCheckpointError(f"model {config.name!r}: olmo_eqx writes OLMo 1 with default RoPE only; set yarn: null")
+    hf = hf_config_dict(config.replace(architecture="olmo3", clip_qkv=None), **common)
+    del hf["rms_norm_eps"]
+    hf.update(architectures=["OlmoForCausalLM"], model_type="olmo", rope_parameters=rope, clip_qkv=config.clip_qkv)
+    return hf
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor names
 
 
-def _hf_names(path: tuple[str, ...], layer: Optional[int]) -> tuple[str, bool]:
-    """HF tensor name and whether it is stored transposed, for one of our leaf paths."""
+def _hf_names(path: tuple[str, ...], layer: Optional[int]) -> tuple[str, bool | str]:
+    """HF tensor name and its layout (stored transposed? or "conv"), for one of our leaf paths."""
     top = {
         ("embed",): ("model.embed_tokens.weight", False),
         ("final_norm", "weight"): ("model.norm.weight", False),
@@ -269,8 +405,14 @@ def _hf_names(path: tuple[str, ...], layer: Optional[int]) -> tuple[str, bool]:
     }
     if path in top:
         return top[path]
-    name, transposed = _LAYER_TENSORS[path[1:]] if path[1:] in _LAYER_TENSORS else _MOE_LAYER_TENSORS[path[1:]]
-    return f"model.layers.{layer}.{name}", transposed
+    if path[0] == "gdn_blocks":
+        table = _GDN_LAYER_TENSORS
+    elif path[0] == "attention_blocks":
+        table = _HYBRID_ATTENTION_LAYER_TENSORS
+    else:
+        table = _LAYER_TENSORS if path[1:] in _LAYER_TENSORS else _MOE_LAYER_TENSORS
+    name, layout = table[path[1:]]
+    return f"model.layers.{layer}.{name}", layout
 
 
 def _leaf_paths(model) -> list[tuple[str, ...]]:
@@ -317,7 +459,7 @@ def read_hf_config(directory: Path) -> dict:
 
 def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             param_dtype: str = "float32", **config_overrides) -> CausalLM:
-    """Read a local HF OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoint directory into a zoo model.
+    """Read a local HF OLMo 1 / OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoint directory into a zoo model.
 
     `padded_vocab_size` defaults to the vocabulary rounded up to a multiple of 128;
     `config_overrides` set numerics such as `compute_dtype` or `attention_impl`.
@@ -337,6 +479,9 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
         if file not in handles:
             handles[file] = _open_safetensors(file)
         tensor = handles[file].get_tensor(name)
+        if name.endswith("_conv1d.weight"):
+            tensor = _hybrid_conv(name, tensor, shape, lambda n: handles.setdefault(located[n], _open_safetensors(
+                located[n])).get_tensor(n) if n in located else None)
         if tuple(tensor.shape) != shape:
             raise HFCheckpointError(
                 f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} for {config.name}"
@@ -345,19 +490,19 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
 
     arrays = []
     for path_names, leaf in zip(_leaf_paths(target), jax.tree.leaves(target)):
-        if path_names[0] == "blocks":
+        if path_names[0] in _STACKS:
             per_layer = []
-            for layer in range(config.n_layers):
+            for layer in _stack_layers(config, path_names[0]):
                 name, transposed = _hf_names(path_names, layer)
                 if "{expert}" in name:  # one HF tensor per expert, stacked here
                     names = [name.format(expert=e) for e in range(leaf.shape[1])]
-                    shape = leaf.shape[2:][::-1] if transposed else leaf.shape[2:]
+                    shape = _hf_shape(leaf.shape[2:], transposed)
                 else:
                     names = [name]
-                    shape = leaf.shape[1:][::-1] if transposed else leaf.shape[1:]
+                    shape = _hf_shape(leaf.shape[1:], transposed)
                 expected.update(names)
                 tensors = [read(n, tuple(shape)) for n in names]
-                tensors = [t.T if transposed else t for t in tensors]
+                tensors = [_from_hf(t, transposed) for t in tensors]
                 per_layer.append(np.stack(tensors) if "{expert}" in name else tensors[0])
             value = np.stack(per_layer)
         else:
@@ -373,7 +518,7 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             elif path_names == ("lm_head",):
                 value = np.pad(value, ((0, 0), (0, config.padded_vocab_size - config.vocab_size)))
         arrays.append(jnp.asarray(value, dtype=leaf.dtype))
-    extra = sorted(set(located) - expected)
+    extra = sorted(n for n in set(located) - expected if not n.startswith(_IGNORED_PREFIXES))
     if extra:
         raise HFCheckpointError(
             f"{directory}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} "
@@ -395,14 +540,14 @@ def hf_state_dict(model: CausalLM, *, dtype: Optional[str] = None) -> dict[str, 
     tensors: dict[str, jax.Array] = {}
     for path_names, leaf in zip(_leaf_paths(model), jax.tree.leaves(model)):
         value = jnp.asarray(jax.device_get(leaf), dtype=dtype)
-        if path_names[0] == "blocks":
-            for layer in range(config.n_layers):
+        if path_names[0] in _STACKS:
+            for index, layer in enumerate(_stack_layers(config, path_names[0])):
                 name, transposed = _hf_names(path_names, layer)
                 if "{expert}" in name:
-                    for expert, v in enumerate(value[layer]):
+                    for expert, v in enumerate(value[index]):
                         tensors[name.format(expert=expert)] = v.T if transposed else v
                     continue
-                tensors[name] = value[layer].T if transposed else value[layer]
+                tensors[name] = _to_hf(value[index], transposed)
             continue
         name, transposed = _hf_names(path_names, None)
         if path_names == ("embed",):

@@ -87,6 +87,8 @@ class ShardingRules:
     # A mixture of experts' expert dimension (olmoe.py): replicated by default, the experts'
     # weights then shard along "embed" like any FSDP weight.
     expert: Optional[str] = None
+    # OLMo-Hybrid's short convolution taps (tiny): replicated.
+    conv: Optional[str] = None
     # Activations (pinned by the model through `ActivationSharding`). The batch is split over
     # every data-parallel axis; the model dimension stays whole (FSDP gathers weights, not
     # activations); heads, MLP hidden and vocab follow tensor parallelism.

@@ -15,6 +15,7 @@ AttentionImpl = Literal["auto", "blockwise", "xla", "cudnn", "splash", "referenc
 MoEImpl = Literal["dropless", "dense"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "offload_projections"]
 DType = Literal["float32", "bfloat16"]
+LayerKind = Literal["gdn", "attention"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class ModelConfig:
     name: str = "olmo3_tiny"
     # Which module of the zoo this is (`olmo_eqx.models.registry.ARCHITECTURES`): "olmo3" is
     # the OLMo 2 / OLMo 3 decoder (OLMo 2: sliding_window=None); "olmoe" and "flex_olmo"
-    # the mixture-of-experts decoders of `olmoe.py`.
+    # the mixture-of-experts decoders of `olmoe.py`; "olmo" OLMo 1 (`olmo1.py`); "olmo_hybrid"
+    # Gated DeltaNet layers between OLMo 3 attention layers (`olmo_hybrid.py`).
     architecture: str = "olmo3"
     vocab_size: int = 4096
     # Rows of the embedding and output head; a multiple of 128 for fast matmuls. Logits are
@@ -86,9 +88,28 @@ class ModelConfig:
     # Weights of the router's load-balancing loss and z-loss in the objective (OLMoE's).
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
-    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the QK-norm (HF OLMoE's `clip_qkv`).
+    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the QK-norm (HF OLMoE's `clip_qkv`;
+    # OLMo 1, which has no QK-norm: right after the projections).
     clip_qkv: Optional[float] = None
     moe_impl: MoEImpl = "dropless"
+    # OLMo-Hybrid (architecture "olmo_hybrid"; other models leave these alone). Its layers run
+    # `layer_pattern` over and over (one scanned cycle): "gdn" a Gated DeltaNet layer (pre-norm),
+    # "attention" an OLMo 3 full-attention layer (reordered norm, QK-norm).
+    layer_pattern: tuple[LayerKind, ...] = ("gdn", "gdn", "gdn", "attention")
+    # Gated DeltaNet: value heads (the state's heads), key heads (q/k heads, each shared by
+    # gdn_heads // gdn_key_heads value heads), their dims, the short convolution's width.
+    gdn_heads: int = 4
+    gdn_key_heads: int = 4
+    gdn_key_dim: int = 24
+    gdn_value_dim: int = 48
+    gdn_conv_kernel: int = 4
+    # Write strength beta in (0, 2) instead of (0, 1): the state's update may have negative
+    # eigenvalues (HF: linear_allow_neg_eigval).
+    gdn_allow_neg_eigval: bool = True
+    # Tokens per chunk of the chunked delta-rule kernel (how the model runs, not what it is).
+    gdn_chunk_size: int = 64
+    # RoPE on the attention layers; False is NoPE (OLMo-Hybrid's released stage-3 model).
+    use_rope: bool = True
 
     def __post_init__(self):
         problems = []
@@ -101,6 +122,17 @@ class ModelConfig:
                 )
             if self.sliding_window is not None:
                 problems.append(f"architecture {self.architecture!r} has no sliding window; set sliding_window: null")
+        if self.architecture == "olmo" and self.sliding_window is not None:
+            problems.append("architecture 'olmo' (OLMo 1) has no sliding window; set sliding_window: null")
+        if self.architecture == "olmo_hybrid":
+            if self.sliding_window is not None:
+                problems.append("architecture 'olmo_hybrid' has no sliding window; set sliding_window: null")
+            if set(self.layer_pattern) != {"gdn", "attention"}:
+                problems.append(f"layer_pattern={list(self.layer_pattern)} needs both 'gdn' and 'attention' layers")
+            if self.gdn_heads % self.gdn_key_heads:
+                problems.append(f"gdn_heads={self.gdn_heads} must be a multiple of gdn_key_heads={self.gdn_key_heads}")
+            if self.gdn_chunk_size < 1:
+                problems.append(f"gdn_chunk_size={self.gdn_chunk_size} must be >= 1")
         if self.padded_vocab_size < self.vocab_size:
             problems.append(
                 f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}; "
@@ -124,7 +156,10 @@ class ModelConfig:
 
     @property
     def cycle_length(self) -> int:
-        """Layers per scanned cycle: 4 for OLMo 3's 3 sliding + 1 full, 1 when all are full."""
+        """Layers per scanned cycle: 4 for OLMo 3's 3 sliding + 1 full, 1 when all are full,
+        the layer pattern's length for OLMo-Hybrid."""
+        if self.architecture == "olmo_hybrid":
+            return len(self.layer_pattern)
         return 1 if self.sliding_window is None else self.full_attention_every
 
     @property
@@ -142,6 +177,9 @@ class ModelConfig:
     @property
     def layer_types(self) -> list[str]:
         """HF's names for each layer's attention kind."""
+        if self.architecture == "olmo_hybrid":
+            kinds = {"gdn": "linear_attention", "attention": "full_attention"}
+            return [kinds[self.layer_pattern[i % self.cycle_length]] for i in range(self.n_layers)]
         return ["sliding_attention" if self.is_sliding(i) else "full_attention" for i in range(self.n_layers)]
 
     def replace(self, **changes) -> "ModelConfig":

@@ -14,13 +14,17 @@ from jaxtyping import PRNGKeyArray
 
 from .base import CausalLM
 from .config import ModelConfig
+from .olmo1 import OLMo1
 from .olmo3 import OLMo
+from .olmo_hybrid import OLMoHybrid
 from .olmoe import MoELM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "olmo3": OLMo,  # OLMo 2 and OLMo 3 (OLMo 2: sliding_window=None)
     "olmoe": MoELM,  # OLMoE: pre-norm mixture of experts
     "flex_olmo": MoELM,  # FlexOlmo: mixture of experts on OLMo 2's reordered-norm block
+    "olmo": OLMo1,  # OLMo 1: pre-norm, non-parametric LayerNorm, optional clip_qkv
+    "olmo_hybrid": OLMoHybrid,  # OLMo-Hybrid: Gated DeltaNet layers between OLMo 3 attention layers
 }
 
 

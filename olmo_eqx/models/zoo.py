@@ -73,6 +73,37 @@ _MOE_ZOO = {
 }
 
 
+# OLMo 1 (olmo1.py): the released allenai/OLMo-7B-hf (February 2024) and OLMo-7B-0424-hf
+# (OLMo 1.7: clip_qkv 8, 4096 context) config.json; GPT-NeoX-derived vocabulary of 50280 ids
+# in an embedding of 50304 rows (HF's vocab_size), RoPE theta 10^4. The tiny one is CPU-sized.
+_OLMO1 = dict(architecture="olmo", sliding_window=None, rope_theta=10_000.0)
+_OLMO1_7B = dict(
+    vocab_size=50_304, padded_vocab_size=50_304, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+    mlp_hidden=11_008, **_OLMO1,
+)
+_OLMO1_ZOO = {
+    "olmo1_7b": ModelConfig(name="olmo1_7b", max_sequence_length=2048, **_OLMO1_7B),
+    "olmo1_7b_0424": ModelConfig(name="olmo1_7b_0424", max_sequence_length=4096, clip_qkv=8.0, **_OLMO1_7B),
+    "olmo1_tiny": ModelConfig(name="olmo1_tiny", **_OLMO1),
+}
+
+
+# OLMo-Hybrid (olmo_hybrid.py): the released allenai/Olmo-Hybrid-7B shapes (32 layers of
+# [gdn, gdn, gdn, attention], d_model 3840, 30 heads of 128 on the attention layers, 30 GDN heads
+# with keys of 96 and values of 192, convolutions of width 4, beta in (0, 2)), its final stage's
+# NoPE attention and 65,536-token context, on the dolma2 vocabulary. The tiny one is CPU-sized
+# (4 GDN heads, keys 24, values 48: HF's defaults of 0.75 * d_model / heads and twice that).
+_HYBRID = dict(architecture="olmo_hybrid", sliding_window=None, layer_pattern=("gdn", "gdn", "gdn", "attention"))
+_HYBRID_ZOO = {
+    "olmo_hybrid_7b": ModelConfig(
+        name="olmo_hybrid_7b", vocab_size=DOLMA2_VOCAB, padded_vocab_size=DOLMA2_PADDED_VOCAB, d_model=3840,
+        n_layers=32, n_heads=30, n_kv_heads=30, head_dim=128, mlp_hidden=11_008, gdn_heads=30, gdn_key_heads=30,
+        gdn_key_dim=96, gdn_value_dim=192, use_rope=False, max_sequence_length=65_536, **_HYBRID,
+    ),
+    "olmo_hybrid_tiny": ModelConfig(name="olmo_hybrid_tiny", **_HYBRID),
+}
+
+
 def _build_zoo() -> dict[str, ModelConfig]:
     zoo = {}
     for size, shape in _OLMO2_SHAPES.items():
@@ -85,6 +116,8 @@ def _build_zoo() -> dict[str, ModelConfig]:
     # A grouped-query twin of the tiny model, for tests of the GQA paths.
     zoo["olmo3_tiny_gqa"] = ModelConfig(name="olmo3_tiny_gqa", n_kv_heads=2)
     zoo.update(_MOE_ZOO)
+    zoo.update(_OLMO1_ZOO)
+    zoo.update(_HYBRID_ZOO)
     return zoo
 
 
