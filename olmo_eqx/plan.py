@@ -217,7 +217,14 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
 
 
 class CompileRefused(Exception):
-    """The target's compiler refused the program (XLA:TPU: it does not fit in HBM)."""
+    """The target's compiler refused the program (XLA:TPU: it does not fit in HBM).
+
+    `str()` is the compiler's verdict in a line; `details` its whole message (XLA:TPU lists
+    the program's largest allocations there)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
 @dataclass
@@ -228,6 +235,9 @@ class CompiledStep:
     state: object  # the abstract, sharded TrainState
     mesh: object
     rules: object
+    # The executable itself: `executable(batch, arrays)` runs it where the devices are real
+    # (scripts/measure_step.py), `arrays` being the state's arrays (`eqx.filter(state, eqx.is_array)`).
+    executable: object = None
 
 
 def target_devices(target: Target) -> list:
@@ -310,9 +320,24 @@ def compile_train_step(config, devices) -> CompiledStep:
         compiled = jax.jit(array_step, donate_argnums=1).lower(batch, arrays).compile()
     except Exception as e:
         if (message := _refusal(e)) is not None:
-            raise CompileRefused(message) from None
+            raise CompileRefused(message, str(e)) from None
         raise
-    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules)
+    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+
+
+def memory_bytes(memory) -> dict:
+    """XLA's memory analysis of one device's program: what it holds at its peak ("total")."""
+    arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
+    aliased, temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
+    return {
+        "arguments": arguments,
+        "outputs": outputs,
+        "aliased": aliased,
+        "temporaries": temporaries,
+        # Donated arguments are aliased by the outputs: counted once.
+        "total": arguments + outputs - aliased + temporaries,
+        "host": getattr(memory, "host_temp_size_in_bytes", 0) + getattr(memory, "host_argument_size_in_bytes", 0),
+    }
 
 
 def _is_abstract(x) -> bool:
@@ -458,12 +483,15 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
             f.write(step.hlo)
     mesh, rules, state = step.mesh, step.rules, step.state
     assert isinstance(state, TrainState)
-    memory = step.memory
     params, optimizer = _per_device_bytes(state.model), _per_device_bytes(state.opt_state)
-    arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
-    aliased, temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
-    total = arguments + outputs - aliased + temporaries
-    host = getattr(memory, "host_temp_size_in_bytes", 0) + getattr(memory, "host_argument_size_in_bytes", 0)
+    memory = memory_bytes(step.memory)
+    # What the target's compiler holds against the chip's HBM. XLA:TPU compares its temporaries
+    # alone ("the total memory required for HLO temporaries (X) exceeds available HBM") and
+    # refuses above; a v5e chip ran programs whose arguments + temporaries exceeded its HBM
+    # (18.0 GiB on 15.75: docs/planning.md, "Checked on a chip"), so for TPU that sum overstates
+    # the need. Elsewhere arguments + outputs + temporaries is the bound.
+    memory["needed"] = memory["temporaries"] if target.platform == "tpu" else memory["total"]
+    total = memory["needed"]
     traffic, gathered, unknown_trip = collective_traffic(step.hlo)
     batch_shards = _batch_shards(mesh, rules)
     result.update(
@@ -473,12 +501,7 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
             "parameters": params,
             "optimizer_state": optimizer,
             "other_state": _per_device_bytes(state) - params - optimizer,
-            "arguments": arguments,
-            "outputs": outputs,
-            "aliased": aliased,
-            "temporaries": temporaries,
-            "total": total,
-            "host": host,
+            **memory,
         },
         collectives=traffic,
         collectives_lower_bound=unknown_trip,
@@ -619,7 +642,7 @@ def _best(rows: list[dict]) -> Optional[dict]:
     fastest = min(_step_seconds(r) for r in timed)
     close = [r for r in timed if _step_seconds(r) <= 1.01 * fastest]
     used = lambda r, key: r.get("bytes", {}).get(key, 0)  # noqa: E731
-    return min(close, key=lambda r: (used(r, "host"), used(r, "total"), r["attention_block_size"] is not None))
+    return min(close, key=lambda r: (used(r, "host"), used(r, "needed"), r["attention_block_size"] is not None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,7 +662,7 @@ def format_row(row: dict, header: bool = False) -> str:
             f"{'step (XLA)':>10} {'MFU':>6} {'step (roofline)':>15} {'MFU':>6}"
         )
     est = row.get("estimate") or {}
-    used = row["bytes"]["total"] / GIB if "bytes" in row else float("nan")
+    used = row["bytes"]["needed"] / GIB if "bytes" in row else float("nan")
     step = lambda key: f"{est[key]:9.3f}s" if est.get(key) else "        -"  # noqa: E731
     mfu = lambda key: f"{100 * est[key]:5.1f}%" if est.get(key) else "     -"  # noqa: E731
     lines.append(
@@ -678,8 +701,12 @@ def format_plan(p: dict) -> str:
         f"  arguments         {_gib(b['arguments'])}   (state + batch)",
         f"  temporaries       {_gib(b['temporaries'])}   (activations, gathered weights, gradients)",
         f"  outputs - aliased {_gib(b['outputs'] - b['aliased'])}   (the donated state is updated in place)",
-        f"  total             {_gib(b['total'])}" + (f"   of {_gib(hbm).strip()} HBM: {'fits' if p['fits'] else 'does NOT fit'}" if hbm else ""),
+        f"  total             {_gib(b['total'])}   (arguments + outputs - aliased + temporaries)",
     ]
+    if hbm:
+        counted = "temporaries, as XLA:TPU counts against HBM" if p["target"].startswith("tpu") else "total"
+        lines.append(f"  needed            {_gib(b['needed'])}   ({counted}) of {_gib(hbm).strip()} HBM: "
+                     + ("fits" if p["fits"] else "does NOT fit"))
     if b.get("host"):
         lines.append(f"  host memory       {_gib(b['host'])}   (offloaded activations)")
     if not hbm:

@@ -38,7 +38,9 @@ class Chip:
 # Cloud TPU docs (docs.cloud.google.com/tpu/docs/{v5e,v5p,v6e,tpu7x}); H100/H200 from NVIDIA's
 # datasheets (SXM: 989.5 TFLOP/s dense bf16; NVLink 900 GB/s).
 CHIPS = {
-    "v5e": Chip("TPU v5e", 197e12, 16 * GB, 819 * GB, 400 * GB),
+    # v5e: 16 GiB, of which a program gets 15.75 (a v5e's own `memory_stats()["bytes_limit"]`, and
+    # XLA:TPU's "available HBM (15.75G)" when it refuses one), measured on the chip.
+    "v5e": Chip("TPU v5e", 197e12, 15.75 * GIB, 819 * GB, 400 * GB),
     "v5p": Chip("TPU v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB),
     "v6e": Chip("TPU v6e", 918e12, 32 * GB, 1640 * GB, 800 * GB),
     "tpu7x": Chip("TPU7x (Ironwood)", 2307e12, 192 * GIB, 7380 * GB, 1200 * GB, devices_per_chip=2),
@@ -111,10 +113,14 @@ def tpu_devices(target: Target) -> list:
     # libtpu takes a lock file so that two processes never drive one TPU; compiling drives
     # none, and a second plan (or test run) beside this one must not be refused.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    options = {"num_slices": target.slices} if target.slices > 1 else {}
+    dims = [int(d) for d in target.topology.split("x")]
+    if math.prod(dims) < 4:
+        # A topology smaller than libtpu's default host (2x2x1, four chips), e.g. the one-chip
+        # v5e (v5litepod-1): the host is the topology itself.
+        options["chips_per_host_bounds"] = (dims + [1, 1])[:3]
     try:
-        topology = topologies.get_topology_desc(
-            platform="tpu", topology_name=f"{generation}:{target.topology}", **({"num_slices": target.slices} if target.slices > 1 else {})
-        )
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{generation}:{target.topology}", **options)
     except Exception as e:  # libtpu missing, or a topology it does not know
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SystemExit(
