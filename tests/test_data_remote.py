@@ -292,3 +292,12 @@ def test_a_heldout_manifest_gives_one_set_per_label_at_the_data_root(corpus, htt
     assert [h.name for h in heldout] == ["c4_en-validation", "books-validation"]
     assert heldout[0].dataset.files[0].path == f"{http.url}/olmo/data/eval/heldout.npy"
     assert len(remote_sizes(train_set, heldout)) == FILES + 1  # one file shared by both
+
+
+def test_a_small_file_is_fetched_whole_over_s3_as_over_http(corpus, http, s3):
+    """`RemoteReader.fetch` (what a tokenizer URL is read with): range reads from the start, no
+    size request; S3's answers carry the size in ContentRange as HTTP's do."""
+    root, _ = corpus
+    local = (root / "olmo" / "data" / "eval" / "heldout.npy").read_bytes()
+    assert RemoteReader().fetch(f"{s3}/olmo/data/eval/heldout.npy", chunk=1000) == local
+    assert RemoteReader().fetch(f"{http.url}/olmo/data/eval/heldout.npy") == local

@@ -25,6 +25,8 @@ import numpy as np
 
 from olmo_eqx.checkpoint_paths import CheckpointLocation
 from olmo_eqx.config import Config, config_to_dict
+from olmo_eqx.data.remote import is_url, local_copy
+from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.downstream import evaluate_task, primary_score
 from olmo_eqx.evaluation.heldout import build_heldout_sets, evaluate_heldout, evaluate_kl
@@ -40,8 +42,15 @@ from olmo_eqx.warm_start import load_model, locate, stored_model_config, stored_
 
 
 def find_tokenizer(location: CheckpointLocation, explicit: Optional[str], config: Config, vocab_size: int) -> Optional[Path]:
-    """The model's tokenizer.json: `explicit`, else the HF directory's, else the training data's
-    (the embedded corpus's when the checkpoint, or else this run, trained on it)."""
+    """The model's tokenizer.json: `explicit` (a path, or an `http(s)://`, `s3://`, `gs://` URL
+    fetched once into the cache: `olmo_eqx.data.remote.local_copy`), else the HF directory's,
+    else the training data's (the embedded corpus's when the checkpoint, or else this run,
+    trained on it)."""
+    if explicit and is_url(explicit):
+        try:
+            return local_copy(explicit, "tokenizer")
+        except DataFileError as e:
+            raise EvalError(str(e)) from None
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
