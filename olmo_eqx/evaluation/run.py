@@ -149,7 +149,8 @@ class Evaluator:
     def heldout_sets(self, vocab_size: int):
         data = self.config.data
         sets = build_heldout_sets(dict(self.settings.heldout), data.source, data.heldout, data.sequence_length,
-                                  vocab_size, work_dir=self.run_dir / "heldout_domains" / f"p{jax.process_index()}")
+                                  vocab_size, work_dir=self.run_dir / "heldout_domains" / f"p{jax.process_index()}",
+                                  data_root=data.data_root, tokenizer=data.tokenizer)
         if not sets:
             self.say("held-out evaluation skipped: no held-out data (set data.heldout or stage.heldout={name: glob})")
         return sets
