@@ -21,6 +21,10 @@ Errors: transient ones (5xx, 429, timeouts, refused or reset connections) are re
 jittered exponential backoff and counted (`RemoteReader.stats`, shown in the run's metrics);
 a permanent one (404, 403, a file shorter than recorded, a server that ignores ranges) or a
 transient one that outlasts its attempts raises `RemoteFileError`: one line naming the URL.
+
+Small files (a tokenizer.json) are read whole with `RemoteReader.fetch` and kept by
+`local_copy` in `$OLMO_EQX_CACHE/remote` (default ~/.cache/olmo_eqx/remote). HTTP redirects
+are followed (at most 5 in a row).
 """
 
 import http.client
