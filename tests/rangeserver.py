@@ -6,7 +6,8 @@ Content-Range), and GCS's JSON API paths (`/storage/v1/b/B/o/O` metadata and
 be served with `STORAGE_EMULATOR_HOST`; also the JSON API's writes, for checkpoints on `gs://`
 (listing `/storage/v1/b/B/o?prefix=`, media uploads, deletes, `rewriteTo` copies). Faults are injectable while it runs: a latency per
 request, a fraction of answers that are 503, paths answering 404, a server that dies after
-a given number of requests (killed mid-run), and stop / restart on the same port.
+a given number of requests (killed mid-run), and stop / restart on the same port. Paths in
+`redirects` answer 302 to their target (a hub's `resolve` URL sends clients on like that).
 """
 
 import json
@@ -23,6 +24,7 @@ class RangeServer:
         self.root = Path(root)
         self.latency_s, self.error_rate = latency_s, error_rate
         self.missing: set[str] = set()  # paths answered with 404
+        self.redirects: dict[str, str] = {}  # path -> Location answered with 302
         self.ignore_ranges = False  # answer range requests with the whole file (200)
         self.dies_after: int | None = None  # from this many requests on, cut every connection unanswered
         self.requests = 0
@@ -150,6 +152,8 @@ class RangeServer:
                 bucket, _, name = path[len(prefix):].partition("/o/")
                 path, metadata = f"/{bucket}/{name}", is_meta
                 break
+        if path in self.redirects:
+            return self._send(handler, 302, b"", {"Location": self.redirects[path]}, head=head)
         file = self.root / path.lstrip("/")
         if path in self.missing or not file.is_file():
             return self._send(handler, 404, b"not found", head=head)

@@ -292,3 +292,36 @@ def test_a_heldout_manifest_gives_one_set_per_label_at_the_data_root(corpus, htt
     assert [h.name for h in heldout] == ["c4_en-validation", "books-validation"]
     assert heldout[0].dataset.files[0].path == f"{http.url}/olmo/data/eval/heldout.npy"
     assert len(remote_sizes(train_set, heldout)) == FILES + 1  # one file shared by both
+
+
+def test_a_small_file_is_fetched_whole_over_s3_as_over_http(corpus, http, s3):
+    """`RemoteReader.fetch` (what a tokenizer URL is read with): range reads from the start, no
+    size request; S3's answers carry the size in ContentRange as HTTP's do."""
+    root, _ = corpus
+    local = (root / "olmo" / "data" / "eval" / "heldout.npy").read_bytes()
+    assert RemoteReader().fetch(f"{s3}/olmo/data/eval/heldout.npy", chunk=1000) == local
+    assert RemoteReader().fetch(f"{http.url}/olmo/data/eval/heldout.npy") == local
+
+
+def test_the_eval_stages_heldout_sets_read_urls_and_manifests_at_a_url_root(corpus, http, tmp_path):
+    """What `+stage=eval` / `compare` evaluate (`build_heldout_sets`): a set at a URL
+    (stage.heldout or data.heldout), and a held-out manifest under a URL data root, one set per
+    label as training logs them; the same tokens as the local files."""
+    from olmo_eqx.evaluation.heldout import build_heldout_sets
+    from olmo_eqx.errors import EvalError
+
+    root, _ = corpus
+    ppl = tmp_path / "ppl.txt"
+    ppl.write_text("c4_en-validation,eval/heldout.npy\nbooks-validation,{TOKENIZER}/part-000.npy\n")
+    local = InstanceDataset([source_from_paths("x", root / "olmo" / "data" / "eval" / "heldout.npy")], SEQ, VOCAB)
+    expected = local.read(np.arange(len(local)))[0]
+    at_url = build_heldout_sets({"eval": f"{http.url}/olmo/data/eval/heldout.npy"}, "x", {}, SEQ, VOCAB)
+    manifest = build_heldout_sets({}, "x", {"v3_small": str(ppl)}, SEQ, VOCAB, data_root=f"{http.url}/olmo/data",
+                                  tokenizer=TOKENIZER)
+    assert [s.name for s in at_url] == ["eval"] and [s.name for s in manifest] == ["c4_en-validation", "books-validation"]
+    for sets in (at_url, manifest):
+        dataset = sets[0].dataset
+        assert dataset.files[0].path == f"{http.url}/olmo/data/eval/heldout.npy"
+        assert np.array_equal(dataset.read(np.arange(len(dataset)))[0], expected)
+    with pytest.raises(EvalError, match="is a mix manifest: set data.data_root and data.tokenizer"):
+        build_heldout_sets({}, "x", {"v3_small": str(ppl)}, SEQ, VOCAB)

@@ -107,3 +107,36 @@ def test_the_stage_presets_show_with_cfg_job():
         shown = olmo_eqx(f"+stage={stage}", f"+recipe={recipe}", "--cfg", "job")
         assert shown.returncode == 0, shown.stderr
         assert line in shown.stdout
+
+
+def test_olmo3_32b_stage1_is_the_official_recipe():
+    from olmo_eqx.data.instances import NGRAM_MAX_COUNT, NGRAM_MAX_PERIOD, NGRAM_MIN_PERIOD
+
+    config = compose_config(["+stage=pretrain", "+recipe=olmo3_32b_stage1"])
+    model, optim, schedule, data = config.model, config.optim, config.schedule, config.data
+    # OLMo-core's olmo3_32B: vocab 100278 padded to a multiple of 128.
+    assert model.name == "olmo3_32b" and (model.vocab_size, model.padded_vocab_size) == (100278, 100352)
+    assert model.padded_vocab_size % 128 == 0
+    _same_optimizer_as_stage1(optim)
+    # Peak lr 6e-4; CosWithWarmup(warmup=2000) with OLMo-core 3.0.0's default alpha_f 0.1.
+    assert optim.lr == 6e-4
+    assert (schedule.name, schedule.warmup_steps, schedule.final_lr_ratio, schedule.total_steps) == ("cosine", 2000, 0.1, None)
+    # 8 * 1024 * 1024 tokens a step = 1024 x 8192; data seed 34521 (as the 7B).
+    assert (data.global_batch_size, data.sequence_length) == (1024, 8192)
+    assert data.global_batch_size * data.sequence_length == 8 * 1024 * 1024
+    assert data.seed == 34521 and not data.document_masking
+    # One epoch of the mix: the 7B's 1,413,814 steps of 512 instances halved (N // 1024 ==
+    # (N // 512) // 2), the same tokens.
+    assert config.trainer.steps == 706_907 == 1_413_814 // 2
+    assert config.trainer.steps * 8 * 1024 * 1024 == 1_413_814 * 4_194_304
+    # The repeated n-gram filter with OLMo-core's InstanceFilterConfig values (13, 1, 32).
+    assert data.filter_repeated_ngrams and (NGRAM_MAX_PERIOD, NGRAM_MIN_PERIOD, NGRAM_MAX_COUNT) == (13, 1, 32)
+    # The same 950-file mix and held-out sets as the 7B; eval and checkpoints every 1000 steps.
+    assert data.source == "olmo_core:OLMo-mix-0925-official.txt" and data.data_root == "https://olmo-data.org"
+    assert len(_files(data)) == 950
+    assert data.heldout == {"v3_small": "olmo_core:v3-small-ppl-validation.txt"}
+    assert config.trainer.eval_every == 1000 and config.checkpoint.every == 1000
+    assert compose_config(["+recipe=olmo3_32b_stage1"]).data.global_batch_size == 1024
+    shown = olmo_eqx("+stage=pretrain", "+recipe=olmo3_32b_stage1", "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr
+    assert "steps: 706907" in shown.stdout and "global_batch_size: 1024" in shown.stdout

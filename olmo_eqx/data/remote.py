@@ -21,6 +21,10 @@ Errors: transient ones (5xx, 429, timeouts, refused or reset connections) are re
 jittered exponential backoff and counted (`RemoteReader.stats`, shown in the run's metrics);
 a permanent one (404, 403, a file shorter than recorded, a server that ignores ranges) or a
 transient one that outlasts its attempts raises `RemoteFileError`: one line naming the URL.
+
+Small files (a tokenizer.json) are read whole with `RemoteReader.fetch` and kept by
+`local_copy` in `$OLMO_EQX_CACHE/remote` (default ~/.cache/olmo_eqx/remote). HTTP redirects
+are followed (at most 5 in a row).
 """
 
 import http.client
@@ -61,7 +65,11 @@ class _Transient(Exception):
 
 
 class _Permanent(Exception):
-    """A failure no retry can fix (missing, forbidden, changed)."""
+    """A failure no retry can fix (missing, forbidden, changed); `status`: its HTTP status, if any."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,10 @@ def _classify(status: int, url: str, what: str) -> Exception:
             403: "access is denied: check the credentials (docs/data.md, 'Credentials')",
             401: "the server wants credentials: check them (docs/data.md, 'Credentials')",
             416: "the range lies past its end: the file is shorter than the run recorded"}
-    return _Permanent(f"HTTP {status} on {what}: {hint.get(status, 'the server refused the request')}")
+    return _Permanent(f"HTTP {status} on {what}: {hint.get(status, 'the server refused the request')}", status)
+
+
+_MAX_REDIRECTS = 5
 
 
 class HttpStore:
@@ -119,6 +130,15 @@ class HttpStore:
         return conn
 
     def _request(self, method: str, url: str, headers: dict) -> tuple[int, dict, bytes]:
+        """One request; redirects (a hub's `resolve` URL to its file's location) are followed."""
+        for _ in range(_MAX_REDIRECTS):
+            status, answer, body = self._request_once(method, url, headers)
+            if status not in (301, 302, 303, 307, 308) or "location" not in answer:
+                return status, answer, body
+            url = urllib.parse.urljoin(url, answer["location"])
+        raise _Permanent(f"more than {_MAX_REDIRECTS} redirects, the last to {url}")
+
+    def _request_once(self, method: str, url: str, headers: dict) -> tuple[int, dict, bytes]:
         parts = urllib.parse.urlsplit(url)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         conn = self._connection(parts.scheme, parts.netloc)
@@ -271,12 +291,16 @@ class S3Store:
 class RemoteReader:
     """Sizes and byte ranges of remote files, with retries; thread-safe; one per dataset build.
 
-    `stats` counts requests, retried failures and bytes since construction.
+    `stats` counts requests, retried failures and bytes since construction. Errors name the
+    file as `label` (a token file by default) and its URL; `hints` replaces the advice given
+    for an HTTP status (e.g. {404: "check the URL"}).
     """
 
-    def __init__(self, policy: RetryPolicy = RetryPolicy(), concurrency: int = 64):
+    def __init__(self, policy: RetryPolicy = RetryPolicy(), concurrency: int = 64, label: str = "token file",
+                 hints: Mapping[int, str] | None = None):
         self.policy = policy
         self.concurrency = int(concurrency)
+        self.label, self.hints = label, dict(hints or {})
         self._stores: dict[str, object] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -315,9 +339,10 @@ class RemoteReader:
             except _Transient as e:
                 last = e
             except _Permanent as e:
-                raise RemoteFileError(f"token file {url}: {e}") from None
+                reason = f"HTTP {e.status}: {self.hints[e.status]}" if e.status in self.hints else e
+                raise RemoteFileError(f"{self.label} {url}: {reason}") from None
         raise RemoteFileError(
-            f"token file {url}: {what} failed {policy.attempts} times, last with {last}: the server is unreachable "
+            f"{self.label} {url}: {what} failed {policy.attempts} times, last with {last}: the server is unreachable "
             "or overloaded; rerun to resume when it answers"
         ) from None
 
@@ -342,6 +367,26 @@ class RemoteReader:
         body = self._retrying(url, f"reading bytes {start}-{start + length - 1}", attempt)
         self._count("data_bytes", len(body))
         return body
+
+    def fetch(self, url: str, chunk: int = 1 << 26) -> bytes:
+        """All of a (small) file, by range reads of `chunk` bytes from its start: the first
+        answer's Content-Range gives its size, so a file under `chunk` bytes takes one request
+        and no size request (which a presigned or redirected URL may not answer)."""
+        store, parts, start, total = self._store(url), [], 0, None
+        while total is None or start < total:
+            def attempt(start=start, total=total) -> tuple[bytes, int]:
+                body, size = store.read(url, start, chunk)
+                if total is not None and size != total:
+                    raise _Permanent(f"it changed while being read (now {size} bytes, {total} before)")
+                if len(body) < min(chunk, size - start):
+                    raise _Transient(f"{len(body)} of {min(chunk, size - start)} bytes arrived")
+                return body, size
+
+            body, total = self._retrying(url, f"reading bytes {start}-{start + chunk - 1}", attempt)
+            parts.append(body)
+            start += len(body)
+            self._count("data_bytes", len(body))
+        return b"".join(parts)
 
     def sizes(self, urls: Iterable[str], known: Mapping[str, int] = {}) -> dict[str, int]:
         """The size of every URL: from `known` where it has one, the rest fetched concurrently."""
@@ -391,3 +436,32 @@ class SizeCache:
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"sizes": dict(sizes)}, indent=0))
         os.replace(tmp, self.path)
+
+
+def cache_dir() -> Path:
+    """Where small remote files (a tokenizer) are kept once fetched: `$OLMO_EQX_CACHE/remote`,
+    default `~/.cache/olmo_eqx/remote`."""
+    return Path(os.environ.get("OLMO_EQX_CACHE") or Path.home() / ".cache" / "olmo_eqx") / "remote"
+
+
+def local_copy(url: str, label: str = "file", policy: RetryPolicy = RetryPolicy()) -> Path:
+    """A local copy of the small remote file `url` (e.g. a tokenizer.json), fetched once through
+    `RemoteReader.fetch` (range reads from its start, with the usual retries) and kept
+    as `cache_dir()/<first 16 hex digits of the URL's sha256>/<its file name>` (with `url.txt`
+    naming where it came from); later calls use that copy and make no request. Delete the
+    directory to fetch it again. A missing file (404) raises `RemoteFileError`, one line naming
+    the URL."""
+    import hashlib
+
+    directory = cache_dir() / hashlib.sha256(url.encode()).hexdigest()[:16]
+    path = directory / (urllib.parse.urlsplit(url).path.rstrip("/").rsplit("/", 1)[-1] or "file")
+    if path.is_file():
+        return path
+    reader = RemoteReader(policy, concurrency=1, label=label, hints={404: "it does not exist: check the URL"})
+    body = reader.fetch(url)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "url.txt").write_text(url + "\n")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # concurrent fetchers each rename a whole file
+    tmp.write_bytes(body)
+    os.replace(tmp, path)
+    return path

@@ -3,6 +3,9 @@
     python -m olmo_eqx.data.tokenize --tokenizer tokenizer.json --out-dir tokens/ \
         data/*.jsonl.gz notes/*.txt [--text-field text] [--workers 4] [--eos-token '<|endoftext|>']
 
+The tokenizer is a HF tokenizer.json: a local path or an `http(s)://`, `s3://` or `gs://` URL,
+fetched once into the cache (`olmo_eqx.data.remote.local_copy`).
+
 One output `<name>.npy` (headerless, uint16 below 65536 ids else uint32) per input file;
 EOS after every document; no BOS. A `.txt` file is one document; a `.jsonl`/`.json` file
 holds one JSON object per line whose `--text-field` is a document. `.gz` and `.zst`
@@ -25,6 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from olmo_eqx.data.remote import is_url, local_copy
 from olmo_eqx.data.token_files import DataFileError, token_dtype_for_vocab
 
 _DOCS_PER_BATCH = 512
@@ -167,7 +171,7 @@ def _tokenizer_facts(tokenizer_path: Path, eos_token: str) -> tuple[int, int]:
     from tokenizers import Tokenizer
 
     if not tokenizer_path.is_file():
-        raise DataFileError(f"tokenizer {tokenizer_path} does not exist: pass a local HF tokenizer.json")
+        raise DataFileError(f"tokenizer {tokenizer_path} does not exist: pass a HF tokenizer.json (a path or a URL)")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     eos_id = tokenizer.token_to_id(eos_token)
     if eos_id is None:
@@ -185,8 +189,9 @@ def tokenize_files(
     dtype: str | None = None,
     progress: bool = True,
 ) -> list[FileResult]:
-    """Tokenize every input file into `out_dir`; returns one result per file, in input order."""
-    tokenizer_path = Path(tokenizer_path)
+    """Tokenize every input file into `out_dir`; returns one result per file, in input order.
+    `tokenizer_path`: a local tokenizer.json or its URL (fetched once, `local_copy`)."""
+    tokenizer_path = local_copy(tokenizer_path, "tokenizer") if is_url(tokenizer_path) else Path(tokenizer_path)
     eos_id, vocab_size = _tokenizer_facts(tokenizer_path, eos_token)
     dtype = np.dtype(dtype).name if dtype else token_dtype_for_vocab(vocab_size).name
     out_dir = Path(out_dir)
@@ -227,7 +232,8 @@ def _report(result: FileResult, done: int, total: int, progress: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m olmo_eqx.data.tokenize", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="files, directories or globs (.txt, .jsonl, .json; .gz/.zst)")
-    parser.add_argument("--tokenizer", required=True, help="a local HF tokenizer.json")
+    parser.add_argument("--tokenizer", required=True,
+                        help="a HF tokenizer.json: a local path or an http(s)://, s3:// or gs:// URL (fetched once, cached)")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--eos-token", default="<|endoftext|>")
     parser.add_argument("--text-field", default="text")

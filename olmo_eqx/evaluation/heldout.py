@@ -18,9 +18,9 @@ from typing import Optional
 
 import numpy as np
 
-from olmo_eqx.data.heldout import HeldOutSet, document_bounds
+from olmo_eqx.data.heldout import HeldOutSet, document_bounds, heldout_sets
 from olmo_eqx.data.instances import InstanceDataset
-from olmo_eqx.data.mixes import source_from_paths
+from olmo_eqx.data.mixes import read_mix, source_from_paths
 from olmo_eqx.data.token_files import DataFileError, TokenFile, write_token_file
 from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.scoring import Scorer
@@ -59,15 +59,26 @@ def build_heldout_sets(
     vocab_size: int,
     work_dir: Optional[Path] = None,
     domains: bool = True,
+    data_root: Optional[str] = None,
+    tokenizer: Optional[str] = None,
 ) -> list[HeldOutSet]:
     """The sets to evaluate: `named_globs` (name -> glob of token files) when given, else the
     run's own held-out data (`data.heldout`, name -> glob, under the names training logs them
-    by; or the embedded corpus's split and its domains)."""
+    by; or the embedded corpus's split and its domains). Files may be URLs; a value ending in
+    `.txt` is a mix manifest (OLMo-core's `olmo_core:v3-small-ppl-validation.txt`) under
+    `data_root` with `tokenizer`, one set per label, as in training."""
     try:
         for globs in (named_globs, data_heldout):
             if globs:
-                return [HeldOutSet(name, InstanceDataset([source_from_paths(name, glob)], sequence_length, vocab_size))
-                        for name, glob in globs.items()]
+                sources = []
+                for name, glob in globs.items():
+                    if glob.endswith(".txt"):
+                        if not (data_root and tokenizer):
+                            raise EvalError(f"held-out set {name}={glob!r} is a mix manifest: set data.data_root and data.tokenizer")
+                        sources += read_mix(glob, data_root, tokenizer)
+                    else:
+                        sources.append(source_from_paths(name, glob))
+                return heldout_sets(sources, sequence_length, vocab_size)
         if data_source != "embedded":
             return []
         from olmo_eqx.data.embedded import embedded_corpus

@@ -25,6 +25,8 @@ import numpy as np
 
 from olmo_eqx.checkpoint_paths import CheckpointLocation
 from olmo_eqx.config import Config, config_to_dict
+from olmo_eqx.data.remote import is_url, local_copy
+from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import EvalError
 from olmo_eqx.evaluation.downstream import evaluate_task, primary_score
 from olmo_eqx.evaluation.heldout import build_heldout_sets, evaluate_heldout, evaluate_kl
@@ -40,8 +42,15 @@ from olmo_eqx.warm_start import load_model, locate, stored_model_config, stored_
 
 
 def find_tokenizer(location: CheckpointLocation, explicit: Optional[str], config: Config, vocab_size: int) -> Optional[Path]:
-    """The model's tokenizer.json: `explicit`, else the HF directory's, else the training data's
-    (the embedded corpus's when the checkpoint, or else this run, trained on it)."""
+    """The model's tokenizer.json: `explicit` (a path, or an `http(s)://`, `s3://`, `gs://` URL
+    fetched once into the cache: `olmo_eqx.data.remote.local_copy`), else the HF directory's,
+    else the training data's (the embedded corpus's when the checkpoint, or else this run,
+    trained on it)."""
+    if explicit and is_url(explicit):
+        try:
+            return local_copy(explicit, "tokenizer")
+        except DataFileError as e:
+            raise EvalError(str(e)) from None
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
@@ -140,7 +149,8 @@ class Evaluator:
     def heldout_sets(self, vocab_size: int):
         data = self.config.data
         sets = build_heldout_sets(dict(self.settings.heldout), data.source, data.heldout, data.sequence_length,
-                                  vocab_size, work_dir=self.run_dir / "heldout_domains" / f"p{jax.process_index()}")
+                                  vocab_size, work_dir=self.run_dir / "heldout_domains" / f"p{jax.process_index()}",
+                                  data_root=data.data_root, tokenizer=data.tokenizer)
         if not sets:
             self.say("held-out evaluation skipped: no held-out data (set data.heldout or stage.heldout={name: glob})")
         return sets
