@@ -3,6 +3,7 @@ SIGKILL during a save, mismatched model refused, retention, HF export."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -264,6 +265,73 @@ def test_a_pin_written_during_retention_waits_for_it(tmp_path):
     assert not reader.is_alive() and pinned_steps(directory) == {7}
     unpin(pinned[0])
     assert pinned_steps(directory) == set()
+
+
+LIVE_WRITER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import jax
+    from test_checkpoint import OPTIM, SCHEDULE, TINY
+    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
+    from olmo_eqx.train.state import init_train_state
+
+    state = init_train_state(TINY, OPTIM, SCHEDULE, make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
+    directory = Path(sys.argv[1])
+    step = 0
+    with Checkpointer(directory, keep_last=1, async_save=False) as writer:
+        while not (directory.parent / "stop").exists() and step < 1000:
+            step += 1
+            writer.save(step, state)
+    print("SAVED", step, flush=True)
+    """
+)
+
+
+def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
+    """A writer process saves every step with keep_last=1 while this process, as +stage=eval
+    does (`locate` pins, `load_model` verifies and restores), reads the run again and again:
+    every read succeeds, its step is still there while pinned however far the writer got, and
+    a step removed before its pin is replaced by the newest with a warning."""
+    import time
+    import warnings
+
+    from olmo_eqx.checkpoint_pins import _release_all
+    from olmo_eqx.warm_start import load_model, locate
+
+    run_dir = tmp_path / "run"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", LIVE_WRITER_SCRIPT, str(run_dir / "checkpoints"), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
+    try:
+        deadline = time.time() + 120
+        while not list((run_dir / "checkpoints").glob(f"*/{COMMIT_MARKER}")) and writer.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        expected = np.asarray(init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0)).model.embed)
+        read = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                location = locate(run_dir)
+                model = load_model(location, mesh8)
+                np.testing.assert_array_equal(np.asarray(model.embed), expected)
+                assert (location.directory / str(location.step) / COMMIT_MARKER).exists()  # kept while pinned
+                read.append(location.step)
+                _release_all()  # the reader's exit: retention may take the step now
+    finally:
+        (run_dir / "stop").touch()
+        out, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err[-3000:]
+    saved = int(out.split("SAVED")[1])
+    # The writer saved on while the reads went on, so retention had the steps read to delete.
+    assert len(set(read)) > 1 and saved > read[0] + 1, (read, saved)
+    for warning in [w for w in caught if "was removed" in str(w.message)]:
+        assert re.search(r"checkpoint step \d+ in .* was removed .*; reading step \d+, the newest", str(warning.message)), warning
+    assert [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == [saved]  # nothing pinned now
 
 
 def test_export_hf(reference, tmp_path):
