@@ -19,7 +19,8 @@ device per process, the state sharded over both) saves and restores the state in
 
 "save" runs until the step is committed (`save` + `wait_until_finished`), "blocked" is the part
 the training thread waits for (`save` alone), "restore" is a fresh reader's verified restore;
-each is the slowest process's time, the best of --repeats. The table ends with the projection for
+each is the slowest process's time, the best of --repeats. "verified": every restore verified
+the step and its manifest lists every file of it; the MiB each process hashed are counted. The table ends with the projection for
 a state of --project-gib on --project-hosts hosts from the hash rate of one core measured here.
 Numbers depend on the disk and the page cache: every file is read right after it was written,
 so mostly from memory.
@@ -31,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +43,21 @@ def timed(fn):
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
+
+
+def hash_rate(step_dir: Path, size: int) -> tuple[float, float, float]:
+    """(wall s, CPU s, bytes per CPU second) to hash the whole step on one thread: the CPU
+    time is the cost of one core's hashing whatever else the machine runs."""
+    import olmo_eqx.checkpoint_digests as digests
+
+    threads, digests.HASH_THREADS = digests.HASH_THREADS, 1
+    try:
+        cpu = time.process_time()
+        wall, _ = timed(lambda: digests.verify_digests(step_dir))
+        cpu = time.process_time() - cpu
+    finally:
+        digests.HASH_THREADS = threads
+    return wall, cpu, size / cpu
 
 
 def build_state(model: str):
@@ -55,7 +72,26 @@ def build_state(model: str):
     config, optim = get_model_config(model), OptimConfig(lr=1e-3)
     mesh, rules = make_mesh(MeshConfig()), ShardingRules()
     state = init_train_state(config, optim, make_schedule(ScheduleConfig(), optim.lr, 100), mesh, rules, jax.random.key(0))
-    return state, sharded_abstract_train_state(config, optim, mesh, rules)
+    return with_moments(state), sharded_abstract_train_state(config, optim, mesh, rules)
+
+
+def with_moments(state):
+    """`state` with random Adam moments: fresh ones are zeros, which the checkpoint's
+    compression shrinks to almost nothing, unlike a trained state's."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    arrays = [x for x in jax.tree.leaves(state.opt_state) if isinstance(x, jax.Array) and x.ndim and jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def fill(xs):
+        keys = jax.random.split(jax.random.key(1), len(xs))
+        return [x + 1e-3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(xs, keys)]
+
+    filled = jax.jit(fill, out_shardings=[x.sharding for x in arrays])(arrays)
+    replaced = dict(zip(map(id, arrays), filled))
+    opt_state = jax.tree.map(lambda x: replaced.get(id(x), x), state.opt_state)
+    return eqx.tree_at(lambda s: s.opt_state, state, opt_state)
 
 
 def step_size(step_dir: Path) -> tuple[int, int]:
@@ -69,7 +105,7 @@ def projection(rate: float, gib: float, hosts: int, threads: int) -> list[str]:
     """The 7B's digest cost from `rate` (bytes/s one core hashes), before and after item 4."""
     total, per_host = gib * 2**30, gib * 2**30 / hosts
     return [
-        f"projection: {gib:.0f} GiB of state on {hosts} hosts, hashing at {rate / 2**30:.2f} GiB/s per core (measured above):",
+        f"projection: {gib:.0f} GiB of state on {hosts} hosts, hashing at {rate / 2**30:.2f} GiB/s per core (CPU time measured above):",
         f"  before: save  {total / rate:6.0f} s of hashing by process 0 alone before each commit",
         f"          restore {total / rate:4.0f} s on every host, {gib * hosts / 1024:.1f} TiB read from the shared filesystem",
         f"  after:  save and restore {per_host / rate:5.1f} s per host on one core ({per_host / 2**30:.2f} GiB each), "
@@ -112,14 +148,12 @@ def single(args) -> None:
     print(f"save:    {plain[0]:6.2f}s without manifest | {sealed[0]:6.2f}s with (hashing included)")
     print(f"restore: {plain[1]:6.2f}s without manifest | {sealed[1]:6.2f}s with (verification included)")
     threads = digests.HASH_THREADS
-    digests.HASH_THREADS = 1
-    serial, _ = timed(lambda: digests.verify_digests(step_dir))
-    digests.HASH_THREADS = threads
+    serial, cpu, rate = hash_rate(step_dir, size)
     parallel, _ = timed(lambda: digests.verify_digests(step_dir))
     half, _ = timed(lambda: digests.verify_digests(step_dir, (0, 2)))
-    print(f"verify:  {serial:6.2f}s one thread (before) | {parallel:6.2f}s {threads} threads | "
+    print(f"verify:  {serial:6.2f}s one thread (before; {cpu:.2f}s CPU) | {parallel:6.2f}s {threads} threads | "
           f"{half:6.2f}s one process's half of 2 (after, per process)")
-    print("\n".join(projection(size / serial, args.project_gib, args.project_hosts, threads)))
+    print("\n".join(projection(rate, args.project_gib, args.project_hosts, threads)))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -177,8 +211,11 @@ def worker(args) -> None:
     # Bytes this process hashes, saving and restoring (the split is observed, not assumed).
     hashed, phase, digest = {"save_bytes": 0, "restore_bytes": 0}, ["save_bytes"], digests._digest
 
+    counting = threading.Lock()  # several hashing threads
+
     def observed(path):
-        hashed[phase[0]] += os.path.getsize(path)
+        with counting:
+            hashed[phase[0]] += os.path.getsize(path)
         return digest(path)
 
     digests._digest = observed
@@ -199,6 +236,10 @@ def worker(args) -> None:
                 c.wait_until_finished()
                 saved = time.perf_counter() - start
             sync(f"{name}-saved")
+            # The manifest lists every file of the step (none left unverified), where there is one.
+            step_dir = root / name / "1"
+            listed = json.loads((step_dir / digests.DIGEST_FILE).read_text())["files"] if digests.has_digests(step_dir) else None
+            complete = listed is None or set(listed) == {f.relative_to(step_dir).as_posix() for f in digests._files(step_dir)}
             phase[0] = "restore_bytes"
             with checkpoint.Checkpointer(root / name, keep_last=None, read_only=True) as c:
                 restored, out = timed(lambda: jax.block_until_ready(c.restore(1, target=target).state))
@@ -206,7 +247,7 @@ def worker(args) -> None:
             sync(f"{name}-restored")
         finally:
             undo()
-        times = gather(f"bench-{name}", {"blocked": blocked, "save": saved, "restore": restored, "verified": verified, **hashed})
+        times = gather(f"bench-{name}", {"blocked": blocked, "save": saved, "restore": restored, "verified": verified and complete, **hashed})
         return ({k: max(t[k] for t in times) for k in ("blocked", "save", "restore")}
                 | {"verified": all(t["verified"] for t in times)}
                 | {f"{k}_mib": [round(t[f"{k}_bytes"] / 2**20, 1) for t in times] for k in ("save", "restore")})
@@ -224,10 +265,7 @@ def worker(args) -> None:
         step_dir = root / "after-0" / "1"
         size, files = step_size(step_dir)
         threads = digests.HASH_THREADS
-        digests.HASH_THREADS = 1
-        serial, _ = timed(lambda: digests.verify_digests(step_dir))
-        digests.HASH_THREADS = threads
-        rate = size / serial
+        serial, cpu, rate = hash_rate(step_dir, size)
         print(f"\n{args.model}: state (weights + Adam moments) {size / 2**30:.2f} GiB in {files} files, {count} processes "
               f"x 1 CPU device, {threads} hash threads; best of {args.repeats}, slowest process")
         print(f"{'mode':<8} | {'save (committed)':>16} | {'blocked':>8} | {'restore':>8} | verified | "
@@ -239,7 +277,7 @@ def worker(args) -> None:
             print(f"{mode:<8} | {best['save']:15.2f}s | {best['blocked']:7.2f}s | {best['restore']:7.2f}s | "
                   f"{'yes' if all(r['verified'] for r in results[mode]) else 'no':<8} | "
                   f"{' + '.join(map(str, last['save_mib']))} | {' + '.join(map(str, last['restore_mib']))}")
-        print(f"hashing: {serial:.2f}s for the whole step on one thread of process 0 ({rate / 2**30:.2f} GiB/s)")
+        print(f"hashing: the whole step on one thread of process 0: {serial:.2f}s, {cpu:.2f}s of CPU ({rate / 2**30:.2f} GiB per CPU second)")
         print("\n".join(projection(rate, args.project_gib, args.project_hosts, threads)))
     sync("printed")
 

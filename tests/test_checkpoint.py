@@ -415,6 +415,9 @@ def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
     # verified once when restored, each process taking a share.
     hashed = [json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]) for out, _ in outputs]
     manifest = json.loads((directory / "2" / DIGEST_FILE).read_text())["files"]
+    from olmo_eqx.checkpoint_digests import _files
+
+    assert set(manifest) == {p.relative_to(directory / "2").as_posix() for p in _files(directory / "2")}  # every file listed
     for phase in ("save", "restore"):
         mine = [set(h[phase]) for h in hashed]
         assert mine[0] and mine[1] and not mine[0] & mine[1], phase
