@@ -267,6 +267,36 @@ def test_a_pin_written_during_retention_waits_for_it(tmp_path):
     assert pinned_steps(directory) == set()
 
 
+def test_retention_holds_the_pins_lock_where_no_reader_pinned_yet(tmp_path, mesh8, monkeypatch):
+    """The first reader of a run creates pins/ while retention may be deleting: retention takes
+    the lock (creating pins/) whenever it has a step to delete, so that pin too is seen or written
+    after its step is gone; a run that never deletes keeps no pins/."""
+    import fcntl
+
+    import olmo_eqx.checkpoint as checkpoint
+    from olmo_eqx.checkpoint_pins import PIN_DIR
+
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    writer = Checkpointer(tmp_path, keep_last=1, async_save=False)
+    writer.save(1, state)
+    assert not (tmp_path / PIN_DIR).exists()
+    held, read_pins = [], checkpoint.pinned_steps
+
+    def probe(directory):  # is the lock held while retention reads the pins?
+        with open(tmp_path / PIN_DIR / ".lock") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return read_pins(directory)
+
+    monkeypatch.setattr(checkpoint, "pinned_steps", probe)
+    writer.save(2, state)
+    assert held and all(held) and writer.all_steps() == [2]
+    writer.close()
+
+
 LIVE_WRITER_SCRIPT = textwrap.dedent(
     """
     import sys
