@@ -453,15 +453,22 @@ class Checkpointer:
             return
         steps = self._list_steps()
         sealed = {s for s in steps if has_digests(self._local / str(s))}
+        if not steps_to_delete(steps, sealed, self.keep_last, self.keep_every, self.protected):
+            self._manager.reload()
+            return  # nothing to delete, whatever readers pin: no lock (a run never pruned keeps no pins/)
         doomed = []
-        # Under the pins' lock: a reader's pin is seen here, or written once its step is gone.
-        with pins_locked(self._local, create=False):
+        # Under the pins' lock, created if no reader has yet: a reader's pin is seen here, or
+        # written once its step is gone (and the reader, finding it gone, falls back).
+        with pins_locked(self._local):
             protected = self.protected | pinned_steps(self._local)  # and what readers are reading
             for step in steps_to_delete(steps, sealed, self.keep_last, self.keep_every, protected):
                 # Renamed first, so a kill mid-delete never leaves a step that looks complete.
                 path = self._local / f".deleting-{step}"
                 (self._local / str(step)).rename(path)
-                if step in pinned_steps(self._local):  # pinned meanwhile (no lock held yet): it stays
+                # Only where the filesystem has no flock (the lock is then a no-op) can a pin
+                # appear meanwhile: the step goes back, and a reader of it may have seen it
+                # missing for the moment between the two renames.
+                if step in pinned_steps(self._local):
                     path.rename(self._local / str(step))
                     continue
                 doomed.append(path)

@@ -8,10 +8,17 @@ this host, or, from another host (whose processes it cannot see), one younger th
 `REMOTE_PIN_HOURS`. A reader pins before it reads and then checks the step is still complete;
 if retention removed it in between, it takes the newest complete step and says so.
 
-Writing a pin and retention's read-pins-then-remove hold one lock (`pins/.lock`, flock), so a
-pin is either seen by retention or written after the step is gone: a reader that found its step
-complete after pinning keeps it. (On a filesystem without flock the lock is a no-op and the
-window between the two is back to retention's rename-then-recheck.)
+Writing a pin and retention's read-pins-then-remove hold one lock (`pins/.lock`, flock; retention
+creates it the first time it has a step to delete, a reader the first time it pins), so a pin is
+either seen by retention or written after the step is gone: a reader that found its step complete
+after pinning keeps it until it unpins. What is left open:
+
+- a filesystem without flock (the lock is then a no-op): retention renames a step away, rereads
+  the pins and renames it back if one appeared, so a reader whose completeness check came just
+  before that rename can find the step's files missing for the moment between the two renames;
+- a pin from another host is honoured for `REMOTE_PIN_HOURS` only (its process cannot be seen);
+- pins are local paths: on an object store (`s3://`, `gs://`) readers are not pinned (they
+  download and verify their copy once, `checkpoint_remote.py`).
 """
 
 import atexit
@@ -41,10 +48,8 @@ atexit.register(_release_all)
 
 @contextlib.contextmanager
 def pins_locked(directory: Path, create: bool = True):
-    """Hold the pins' lock of the checkpoints dir `directory` (see the module docstring).
-
-    Retention passes `create=False`: a run nobody has read keeps no `pins/` dir. A reader that
-    creates it meanwhile is caught by retention's recheck after its rename."""
+    """Hold the pins' lock of the checkpoints dir `directory` (see the module docstring),
+    creating `pins/` unless `create` is False (then without a lock where there is none)."""
     pins = Path(directory) / PIN_DIR
     try:
         if create:

@@ -2,7 +2,7 @@
 fault tables of issues 11 and 25 list, and print one row per fault: what happened, and whether
 anything good was lost.
 
-    python scripts/fault_drill.py [--keep DIR]      # a few minutes on 2 CPU cores
+    python scripts/fault_drill.py [--keep DIR] [--issues 11,25]   # a few minutes on 2 CPU cores
 
 Every run is a real `python -m olmo_eqx +stage=pretrain` process on real files (one CPU
 device, one shared compilation cache). When run as root, a chmod'ed directory does not stop
@@ -71,7 +71,8 @@ def summary(run_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def drill(root: Path) -> list[tuple[str, str, bool]]:
+def drill(root: Path, groups: tuple[str, ...] = ("11", "25")) -> list[tuple[str, str, bool]]:
+    """The rows of the issues named in `groups` (\"11\", \"25\"), after one good run they share."""
     rows = []
     good = root / "good"
     result = run(good)
@@ -80,6 +81,18 @@ def drill(root: Path) -> list[tuple[str, str, bool]]:
     def copy(name: str) -> Path:
         shutil.copytree(good, root / name, ignore=shutil.ignore_patterns("summary.json"))
         return root / name
+
+    if "11" in groups:
+        rows += drill_issue_11(root, good, copy)
+    if "25" in groups:
+        rows += drill_issue_25(root, good, copy)
+    return rows
+
+
+def drill_issue_11(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
+    """The faults of issue 11: training gone bad, damaged checkpoints, refused resumes, two
+    processes on one run dir, a stale lock, storage, a junk checkpoint.load."""
+    rows = []
 
     # Training gone bad.
     r = run(root / "lr", "optim.lr=1e30")
@@ -179,7 +192,6 @@ def drill(root: Path) -> list[tuple[str, str, bool]]:
     r = subprocess.run([sys.executable, "-m", "olmo_eqx", "+stage=anneal", f"checkpoint.load={junk}", f"hydra.run.dir={root / 'junk_run'}"],
                        capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
     rows.append(("junk step dir as checkpoint.load", f"exit {r.returncode}: {said(r)}", r.returncode != 0 and "Traceback" not in r.stderr))
-    rows += drill_issue_25(root, good, copy)
     return rows
 
 
@@ -252,6 +264,28 @@ def drill_issue_25(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     rows.append(("eval of a HF dir of another architecture", f"exit {r.returncode}: {said(r)}",
                  r.returncode != 0 and "Traceback" not in r.stderr and not (root / "llama_eval").exists()))
 
+    # Evaluations of a run still training, saving every step with keep_last=1: each reads the
+    # step it pinned (or the newest, saying so), never a step retention removed under it.
+    d = root / "live"
+    writer = subprocess.Popen(command(d, "trainer.steps=100000", "checkpoint.every=1", "checkpoint.keep_last=1"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **ENV})
+    deadline = time.time() + 300
+    while time.time() < deadline and len(steps(d)) < 1:
+        time.sleep(0.5)
+    evals = [subprocess.run([sys.executable, "-m", "olmo_eqx", "+stage=eval", f"checkpoint.load={d}", "stage.tasks=[]",
+                             "stage.heldout_batches=1", f"hydra.run.dir={root / f'live_eval{i}'}"],
+                            capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600) for i in range(3)]
+    saved = steps(d)
+    writer.send_signal(signal.SIGTERM)
+    writer.communicate(timeout=300)
+    read = [json.loads((root / f"live_eval{i}" / "eval.json").read_text())["step"] if r.returncode == 0 else None
+            for i, r in enumerate(evals)]
+    fell_back = sum("was removed" in r.stderr for r in evals)
+    rows.append(("3 evals of a run saving every step (keep_last=1)",
+                 f"exits {[r.returncode for r in evals]}, read steps {read} while it saved up to {saved[-1] if saved else None}, "
+                 f"{fell_back} fell back: {said(evals[-1])}",
+                 all(r.returncode == 0 for r in evals) and writer.returncode == 0 and len(saved) >= 1))
+
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from localcluster import launch_local_cluster
 
@@ -267,13 +301,14 @@ def drill_issue_25(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="run the drill in this directory and keep it (default: a temporary one)")
+    parser.add_argument("--issues", default="11,25", help="whose rows to run: 11, 25 or both (default)")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="fault_drill_")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     ENV["JAX_COMPILATION_CACHE_DIR"] = str(root / "jax_cache")
     started = time.time()
     try:
-        rows = drill(root)
+        rows = drill(root, tuple(args.issues.split(",")))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

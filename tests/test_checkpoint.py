@@ -3,6 +3,7 @@ SIGKILL during a save, mismatched model refused, retention, HF export."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -266,6 +267,103 @@ def test_a_pin_written_during_retention_waits_for_it(tmp_path):
     assert pinned_steps(directory) == set()
 
 
+def test_retention_holds_the_pins_lock_where_no_reader_pinned_yet(tmp_path, mesh8, monkeypatch):
+    """The first reader of a run creates pins/ while retention may be deleting: retention takes
+    the lock (creating pins/) whenever it has a step to delete, so that pin too is seen or written
+    after its step is gone; a run that never deletes keeps no pins/."""
+    import fcntl
+
+    import olmo_eqx.checkpoint as checkpoint
+    from olmo_eqx.checkpoint_pins import PIN_DIR
+
+    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    writer = Checkpointer(tmp_path, keep_last=1, async_save=False)
+    writer.save(1, state)
+    assert not (tmp_path / PIN_DIR).exists()
+    held, read_pins = [], checkpoint.pinned_steps
+
+    def probe(directory):  # is the lock held while retention reads the pins?
+        with open(tmp_path / PIN_DIR / ".lock") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return read_pins(directory)
+
+    monkeypatch.setattr(checkpoint, "pinned_steps", probe)
+    writer.save(2, state)
+    assert held and all(held) and writer.all_steps() == [2]
+    writer.close()
+
+
+LIVE_WRITER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import jax
+    from test_checkpoint import OPTIM, SCHEDULE, TINY
+    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
+    from olmo_eqx.train.state import init_train_state
+
+    state = init_train_state(TINY, OPTIM, SCHEDULE, make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
+    directory = Path(sys.argv[1])
+    step = 0
+    with Checkpointer(directory, keep_last=1, async_save=False) as writer:
+        while not (directory.parent / "stop").exists() and step < 1000:
+            step += 1
+            writer.save(step, state)
+    print("SAVED", step, flush=True)
+    """
+)
+
+
+def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
+    """A writer process saves every step with keep_last=1 while this process, as +stage=eval
+    does (`locate` pins, `load_model` verifies and restores), reads the run again and again:
+    every read succeeds, its step is still there while pinned however far the writer got, and
+    a step removed before its pin is replaced by the newest with a warning."""
+    import time
+    import warnings
+
+    from olmo_eqx.checkpoint_pins import _release_all
+    from olmo_eqx.warm_start import load_model, locate
+
+    run_dir = tmp_path / "run"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", LIVE_WRITER_SCRIPT, str(run_dir / "checkpoints"), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
+    try:
+        deadline = time.time() + 120
+        while not list((run_dir / "checkpoints").glob(f"*/{COMMIT_MARKER}")) and writer.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        expected = np.asarray(init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0)).model.embed)
+        read = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                location = locate(run_dir)
+                model = load_model(location, mesh8)
+                np.testing.assert_array_equal(np.asarray(model.embed), expected)
+                assert (location.directory / str(location.step) / COMMIT_MARKER).exists()  # kept while pinned
+                read.append(location.step)
+                _release_all()  # the reader's exit: retention may take the step now
+    finally:
+        (run_dir / "stop").touch()
+        out, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err[-3000:]
+    saved = int(out.split("SAVED")[1])
+    # The writer saved on while the reads went on, so retention had the steps read to delete.
+    assert len(set(read)) > 1 and saved > read[0] + 1, (read, saved)
+    for warning in [w for w in caught if "was removed" in str(w.message)]:
+        assert re.search(r"checkpoint step \d+ in .* was removed .*; reading step \d+, the newest", str(warning.message)), warning
+    assert [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == [saved]  # nothing pinned now
+
+
 def test_export_hf(reference, tmp_path):
     hf = pytest.importorskip("olmo_eqx.hf")
     out = Path(export_hf(reference["dir"], tmp_path / "hf")["out"])
@@ -347,6 +445,9 @@ def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
     # verified once when restored, each process taking a share.
     hashed = [json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]) for out, _ in outputs]
     manifest = json.loads((directory / "2" / DIGEST_FILE).read_text())["files"]
+    from olmo_eqx.checkpoint_digests import _files
+
+    assert set(manifest) == {p.relative_to(directory / "2").as_posix() for p in _files(directory / "2")}  # every file listed
     for phase in ("save", "restore"):
         mine = [set(h[phase]) for h in hashed]
         assert mine[0] and mine[1] and not mine[0] & mine[1], phase
