@@ -125,3 +125,16 @@ def test_expert_parallel_train_step_equals_one_device(meshes):
         np.testing.assert_allclose(metrics8[name], metrics1[name], rtol=1e-5, err_msg=name)
     assert_close_leaves(eqx.filter(state8.model, eqx.is_array), eqx.filter(state1.model, eqx.is_array), 1e-5)
     assert state8.model.blocks.moe.experts.down_proj.sharding.spec == P(None, "expert", None, "fsdp")
+
+
+def test_planner_counts_the_all_to_all_of_expert_parallelism():
+    from olmo_eqx.plan import plan
+
+    p = plan(["model=olmoe_tiny", "mesh.fsdp=2", "mesh.expert=4", "data.sequence_length=64", "data.global_batch_size=8"], 8)
+    assert p["mesh"]["expert"] == 4 and p["per_device_batch"] == 1
+    assert p["experts"] == {
+        "n_experts": 8, "active": 2, "expert_parallel": 4, "experts_per_device": 2,
+        "tokens_per_device_per_micro_batch": 64, "all_to_all_slots_per_peer": 128,
+    }
+    # 4 layers x (2 forward + 2 backward) token exchanges, and the counts' own.
+    assert p["collectives"]["all-to-all"]["count"] >= 16 and p["collectives"]["all-to-all"]["bytes"] > 0
