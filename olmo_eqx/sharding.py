@@ -77,7 +77,16 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices: Optional[list] = None)
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = config.shape(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU torus assigns each mesh axis a product of whole physical axes: fsdp 8 x expert 8
+        # on a 4x4x4 slice needs one physical axis split in two, which jax does only when asked.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,14 @@ def profile(args) -> None:
                     totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
     total = sum(totals.values())
     print(f"{args.profile_layer}: traced op time {total / args.repeats / 1e6:.1f} ms per forward+backward")
-    for name, ns in sorted(totals.items(), key=lambda item: -item[1])[: args.top]:
-        print(f"  {ns / args.repeats / 1e6:8.2f} ms  {ns / total:6.1%}  {name}")
+    by_kind: dict[str, float] = {}
+    for name, ns in totals.items():
+        kind = name.rstrip("0123456789").rstrip(".")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ns
+    for title, table in (("by kind of op", by_kind), ("by op", totals)):
+        print(f"top {args.top} {title} (ms per forward+backward, share of traced op time):")
+        for name, ns in sorted(table.items(), key=lambda item: -item[1])[: args.top]:
+            print(f"  {ns / args.repeats / 1e6:8.2f} ms  {ns / total:6.1%}  {name}")
 
 
 def main() -> None:
