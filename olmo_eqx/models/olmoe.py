@@ -45,8 +45,12 @@ dense all-to-all of fixed per-peer slots, sized for the worst case to stay dropl
 sends at most min(k, E/P) assignments to one peer (its k experts are distinct), so a device
 with T tokens gives each of the P peers C = T * min(k, E/P) rows. The cost of that guarantee:
 send and receive buffers of P * C rows (P * min(k, E/P) / k times the T * k assignments),
-and the same factor on the bytes moved, each way, every layer; the local grouped matmuls run
-over the P * C received rows, of which the T * k * P (on average) real ones are computed.
+and the same factor on the bytes moved, each way, every layer (OLMoE-1B-7B with P = 8: 8x;
+docs/planning.md). The local grouped matmuls take the P * C received rows, about T * k of
+them real on average: TPU and GPU multiply only the rows inside the groups, XLA:CPU's
+`ragged_dot` every row by every local expert. `jax.lax.ragged_all_to_all`, which would move
+only the real rows, is not implemented by XLA:CPU (this jax, 0.10.2), so nothing here could
+test it.
 """
 
 from typing import NamedTuple, Optional
