@@ -50,7 +50,10 @@ docs/planning.md). The local grouped matmuls take the P * C received rows, about
 them real on average: TPU and GPU multiply only the rows inside the groups, XLA:CPU's
 `ragged_dot` every row by every local expert. `jax.lax.ragged_all_to_all`, which would move
 only the real rows, is not implemented by XLA:CPU (this jax, 0.10.2), so nothing here could
-test it.
+test it. `moe_exchange: all_gather` trades the all-to-all for an all-gather of the expert
+group's tokens and a reduce-scatter of the results: P * T rows each way, each token once
+whatever its k, which is min(k, E/P) times fewer than the slots (OLMoE-1B-7B: 8x); every
+device then sorts the P * T * k assignments of the group to find its own.
 """
 
 from typing import NamedTuple, Optional
@@ -281,12 +284,41 @@ def _exchange(
     return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
 
 
+def _gather_and_scatter(
+    x: Float[Array, "tokens d_model"],
+    experts_of: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    local: Experts,
+    axis: str,
+    peers: int,
+) -> Float[Array, "tokens d_model"]:
+    """`_exchange` by all-gather + reduce-scatter: every device of the expert group gets all of
+    the group's tokens (P x T rows, each token once whatever its k), runs its local experts on
+    the assignments that reach them, weights and sums them per token, and the partial sums are
+    reduce-scattered back to the tokens' devices."""
+    tokens, k = experts_of.shape
+    per_peer = local.gate_proj.shape[0]
+    gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
+    everyone, their_experts, their_weights = gather(x), gather(experts_of), gather(weights)
+    mine = their_experts - jax.lax.axis_index(axis) * per_peer  # local expert id, if in range
+    key = jnp.where((mine >= 0) & (mine < per_peer), mine, per_peer).reshape(-1)
+    # At most min(k, E/P) of a token's k assignments are ours: that many rows per token suffice.
+    order = jnp.argsort(key, stable=True)[: peers * tokens * min(k, per_peer)]
+    group_sizes = jnp.zeros((per_peer + 1,), jnp.int32).at[key].add(1)[:per_peer]
+    token = order // k
+    done = local.grouped(everyone[token], group_sizes)
+    weight = jnp.where(key[order] < per_peer, their_weights.reshape(-1)[order], 0.0).astype(done.dtype)
+    partial = jnp.zeros_like(everyone).at[token].add(done * weight[:, None])
+    return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+
+
 def expert_parallel(
     x: Float[Array, "batch seq d_model"],
     routing: Routing,
     experts: Experts,
     constrain: Constrain,
     axis: str,
+    exchange: str = "all_to_all",
 ) -> Float[Array, "batch seq d_model"]:
     """`dropless` with the experts split over the mesh axis `axis`, tokens exchanged by
     all-to-all under `shard_map` (see the module doc for the buffers' sizes).
@@ -300,7 +332,8 @@ def expert_parallel(
 
     def shard(x, experts_of, weights, local):
         rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-        return _exchange(rows(x), rows(experts_of), rows(weights), local, axis, mesh.shape[axis]).reshape(x.shape)
+        run_local = _exchange if exchange == "all_to_all" else _gather_and_scatter
+        return run_local(rows(x), rows(experts_of), rows(weights), local, axis, mesh.shape[axis]).reshape(x.shape)
 
     run = jax.shard_map(
         shard,
@@ -334,7 +367,7 @@ class MoE(eqx.Module):
         routing = route(flat, self.router, config)
         axis = None if config.moe_impl == "dense" else expert_parallel_axis(constrain, config.n_experts)
         if axis is not None:
-            out = expert_parallel(x, routing, self.experts, constrain, axis)
+            out = expert_parallel(x, routing, self.experts, constrain, axis, config.moe_exchange)
         else:
             combine = dense_reference if config.moe_impl == "dense" else dropless
             out = combine(flat, routing, self.experts).reshape(x.shape)
