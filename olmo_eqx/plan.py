@@ -370,6 +370,27 @@ def _with(config, *, model=None, micro_batches=None, global_batch=None):
     return dataclasses.replace(config, **changes)
 
 
+def _experts(config, mesh, batch_shards: int) -> Optional[dict]:
+    """A mixture of experts' layout: experts per device, and the all-to-all slots of expert
+    parallelism (olmoe.py: each device gives each peer T * min(k, E/P) rows per layer, T its
+    tokens of one micro-batch), or None for a dense model."""
+    model, data = config.model, config.data
+    if model.n_experts is None:
+        return None
+    ep = mesh.shape.get("expert", 1)
+    per_device = model.n_experts // ep if model.n_experts % ep == 0 else model.n_experts
+    tokens = data.global_batch_size * data.sequence_length // (batch_shards * mesh.shape["context"] * config.trainer.micro_batches)
+    slots = tokens * min(model.n_experts_per_token, per_device) if ep > 1 else 0
+    return {
+        "n_experts": model.n_experts,
+        "active": model.n_experts_per_token,
+        "expert_parallel": ep,
+        "experts_per_device": per_device,
+        "tokens_per_device_per_micro_batch": tokens,
+        "all_to_all_slots_per_peer": slots,
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Estimating the step time
 
@@ -505,6 +526,7 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
         },
         collectives=traffic,
         collectives_lower_bound=unknown_trip,
+        experts=_experts(config, mesh, batch_shards),
         xla_flops_per_device_loops_once=step.cost.get("flops"),
     )
     # An accelerator's compiler refuses what does not fit (XLA:TPU) or only logs it (XLA:GPU):
@@ -591,7 +613,10 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
     """
     if target.chip is None:
         raise SystemExit("+plan.search needs an accelerator target (+plan.target=tpu:... or gpu:...): a chip to fit and a peak")
-    shards = math.prod(config.mesh.shape(len(devices))[:2])  # data x fsdp: the batch shards
+    from .sharding import MESH_AXES, ShardingRules
+
+    sizes = dict(zip(MESH_AXES, config.mesh.shape(len(devices))))
+    shards = math.prod(sizes[axis] for axis in ShardingRules().batch)  # data x fsdp x expert: the batch shards
     rows, tried = [], 0
     started = time.perf_counter()
 
@@ -713,6 +738,12 @@ def format_plan(p: dict) -> str:
         lines.append("  fits (XLA:CPU's figure): " + ", ".join(
             f"{name} ({g} GiB) {'yes' if p['fits_accelerators'][name] else 'NO'}" for name, g in ACCELERATORS
         ))
+    if e := p.get("experts"):
+        lines += ["", f"experts: {e['n_experts']} per layer ({e['active']} active per token), {e['experts_per_device']} per device "
+                  f"(expert parallelism {e['expert_parallel']})"
+                  + (f"; all-to-all slots per peer per layer {e['all_to_all_slots_per_peer']:,} "
+                     f"({e['tokens_per_device_per_micro_batch']:,} tokens x min(k, experts per device): dropless worst case)"
+                     if e["expert_parallel"] > 1 else "")]
     lines += ["", "collectives per step (per device; bytes of the full tensors)"
               + (" (lower bound: a loop's trip count is unknown)" if p["collectives_lower_bound"] else "") + ":"]
     for kind, t in p["collectives"].items():

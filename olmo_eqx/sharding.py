@@ -25,7 +25,7 @@ from .models.config import ModelConfig
 from .models.base import LogicalAxes, logical_axes, unconstrained
 from .models.registry import abstract_model
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,22 @@ class MeshConfig:
 
     `context` > 1 splits every sequence over that many devices (context parallelism, for long
     sequences): activations are sharded along the sequence and attention all-gathers K/V.
+
+    `expert` > 1 is expert parallelism for a mixture of experts: each device holds
+    n_experts / expert of every layer's experts, and tokens travel to their experts' devices
+    and back by all-to-all. The expert axis is also a data-parallel axis (the batch is split
+    over it) and the non-expert weights are FSDP-split over it too, so data x fsdp x expert
+    devices hold one copy of the model. Dense models ignore it (it only splits the batch).
     """
 
     data: int = 1
     fsdp: int = -1
     context: int = 1
     tensor: int = 1
+    expert: int = 1
 
     def shape(self, n_devices: int) -> tuple[int, ...]:
-        sizes = [self.data, self.fsdp, self.context, self.tensor]
+        sizes = [self.data, self.fsdp, self.context, self.tensor, self.expert]
         described = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, sizes))
         if sizes.count(-1) > 1:
             raise ValueError(f"mesh: at most one axis may be -1 (got {described})")
@@ -63,36 +70,48 @@ class MeshConfig:
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Optional[list] = None) -> Mesh:
-    """A ("data", "fsdp", "context", "tensor") mesh over `devices` (default: every device).
+    """A ("data", "fsdp", "context", "tensor", "expert") mesh over `devices` (default: every device).
 
     Axis types are *Auto* (GSPMD propagation): jax >= 0.10 defaults to Explicit, under which
     a matmul over a sharded contracting dimension fails without an explicit out_sharding.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = config.shape(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU torus assigns each mesh axis a product of whole physical axes: fsdp 8 x expert 8
+        # on a 4x4x4 slice needs one physical axis split in two, which jax does only when asked.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 @dataclass(frozen=True)
 class ShardingRules:
     """Logical axis name -> mesh axis (None = replicated). Defaults: pure FSDP."""
 
-    embed: Optional[str] = "fsdp"
+    # FSDP splits weights over "fsdp" and, when there is expert parallelism, over "expert" too
+    # (the expert weights, already split by expert, then over "fsdp" alone: see spec_for).
+    embed: Any = ("fsdp", "expert")
     heads: Optional[str] = "tensor"
     kv_heads: Optional[str] = "tensor"
     mlp: Optional[str] = "tensor"
     vocab: Optional[str] = "tensor"
     layers: Optional[str] = None
     norm: Optional[str] = None
-    # A mixture of experts' expert dimension (olmoe.py): replicated by default, the experts'
-    # weights then shard along "embed" like any FSDP weight.
-    expert: Optional[str] = None
+    # A mixture of experts' expert dimension (olmoe.py): split over the "expert" mesh axis
+    # (size 1 by default: then replicated, and the experts' weights shard along "embed" like any
+    # FSDP weight).
+    expert: Optional[str] = "expert"
     # OLMo-Hybrid's short convolution taps (tiny): replicated.
     conv: Optional[str] = None
     # Activations (pinned by the model through `ActivationSharding`). The batch is split over
     # every data-parallel axis; the model dimension stays whole (FSDP gathers weights, not
     # activations); heads, MLP hidden and vocab follow tensor parallelism.
-    batch: tuple[str, ...] = ("data", "fsdp")
+    batch: tuple[str, ...] = ("data", "fsdp", "expert")
     sequence: Optional[str] = "context"
     act_embed: Optional[str] = None
     act_heads: Optional[str] = "tensor"
@@ -129,8 +148,10 @@ def _axis_size(mesh: Mesh, axes: Any) -> int:
 def spec_for(axes: LogicalAxes, shape: tuple[int, ...], mesh: Mesh, rules: ShardingRules) -> P:
     """The PartitionSpec of one array from its logical axes.
 
-    A dimension is replicated when its mesh axes don't divide it, or when an earlier dimension
-    of the same array already uses that mesh axis (a mesh axis can shard one dimension only).
+    A mesh axis can shard one dimension only: one already used by an earlier dimension of the
+    same array is dropped from a later dimension's axes (an expert weight [expert, embed, mlp]
+    takes "expert" on its first dimension, so its "embed" keeps "fsdp" alone). A dimension is
+    replicated when its remaining mesh axes don't divide it.
     """
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {tuple(axes)} do not match array shape {shape}")
@@ -140,9 +161,9 @@ def spec_for(axes: LogicalAxes, shape: tuple[int, ...], mesh: Mesh, rules: Shard
         mesh_axes = rules.mesh_axes(name)
         names = () if mesh_axes is None else (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,))
         # Size-1 mesh axes shard nothing; leaving them out keeps printed layouts readable.
-        names = tuple(n for n in names if mesh.shape[n] > 1)
+        names = tuple(n for n in names if mesh.shape[n] > 1 and n not in used)
         mesh_axes = names[0] if len(names) == 1 else (names or None)
-        if not names or used & set(names) or size % _axis_size(mesh, mesh_axes):
+        if not names or size % _axis_size(mesh, mesh_axes):
             spec.append(None)
             continue
         used.update(names)
@@ -203,7 +224,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> NamedSharding:
-    """Sharding of a global [batch, seq] input array: batch over ("data", "fsdp"), seq whole."""
+    """Sharding of a global [batch, seq] input array: batch over ("data", "fsdp", "expert"), seq whole."""
     return NamedSharding(mesh, P(rules.mesh_axes("batch"), None))
 
 

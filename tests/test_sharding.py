@@ -32,9 +32,12 @@ TINY = ModelConfig(
 
 def test_mesh_shapes_and_axis_types():
     mesh = make_mesh(MeshConfig())
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
-    assert mesh.axis_types == (AxisType.Auto,) * 4  # not jax 0.10's Explicit default
-    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 5  # not jax 0.10's Explicit default
+    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape) == {
+        "data": 2, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1
+    }
+    assert make_mesh(MeshConfig(fsdp=2, expert=4)).shape["expert"] == 4
     assert make_mesh(MeshConfig(), jax.devices()[:4]).size == 4
     for bad in (MeshConfig(data=3), MeshConfig(data=-1, fsdp=-1), MeshConfig(fsdp=2, tensor=2)):
         with pytest.raises(ValueError, match="mesh"):
@@ -51,6 +54,11 @@ def test_spec_replicates_what_the_mesh_does_not_divide():
     # A mesh axis can shard one dimension of an array only.
     fsdp_everywhere = ShardingRules(mlp="fsdp")
     assert spec_for(LogicalAxes(("embed", "mlp")), (64, 128), mesh, fsdp_everywhere) == P("fsdp", None)
+    # A later dimension keeps the rest of its mesh axes: an expert weight's model dimension
+    # (embed: fsdp, expert) keeps fsdp once its expert dimension took "expert".
+    ep = make_mesh(MeshConfig(fsdp=2, expert=4))
+    assert spec_for(LogicalAxes(("expert", "embed", "mlp")), (8, 64, 32), ep, rules) == P("expert", "fsdp", None)
+    assert spec_for(LogicalAxes(("embed", "mlp")), (64, 32), ep, rules) == P(("fsdp", "expert"), None)
     with pytest.raises(ValueError, match="no entry for logical axis"):
         spec_for(LogicalAxes(("experts",)), (8,), mesh, rules)
 
@@ -84,7 +92,7 @@ def test_rules_name_real_mesh_axes():
 
 def test_batch_sharding():
     mesh = make_mesh(MeshConfig(data=2, fsdp=-1))
-    assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)
+    assert batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), None)
 
 
 def test_no_distributed_without_launcher_env(monkeypatch):

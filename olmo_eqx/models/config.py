@@ -13,6 +13,10 @@ AttentionImpl = Literal["auto", "blockwise", "xla", "cudnn", "splash", "referenc
 # "dropless": tokens sorted by expert, grouped matmuls (the training path); "dense": every
 # expert on every token, masked (a reference for tests; E/k times the FLOPs).
 MoEImpl = Literal["dropless", "dense"]
+# Expert parallelism's token exchange (olmoe.py): "all_to_all" sends each assignment to its
+# expert's device in fixed worst-case slots; "all_gather" gathers the tokens of the expert
+# group and reduce-scatters the results (fewer bytes when min(k, experts per device) > 1).
+MoEExchange = Literal["all_to_all", "all_gather"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "offload_projections"]
 DType = Literal["float32", "bfloat16"]
 LayerKind = Literal["gdn", "attention"]
@@ -92,6 +96,8 @@ class ModelConfig:
     # OLMo 1, which has no QK-norm: right after the projections).
     clip_qkv: Optional[float] = None
     moe_impl: MoEImpl = "dropless"
+    # How expert parallelism moves tokens (how the model runs, not what it is).
+    moe_exchange: MoEExchange = "all_to_all"
     # OLMo-Hybrid (architecture "olmo_hybrid"; other models leave these alone). Its layers run
     # `layer_pattern` over and over (one scanned cycle): "gdn" a Gated DeltaNet layer (pre-norm),
     # "attention" an OLMo 3 full-attention layer (reordered norm, QK-norm).

@@ -31,7 +31,29 @@ weighted by `router_aux_loss_coef` (0.01) and `router_z_loss_coef` (0.001), OLMo
 reach training through `hidden_states_and_aux`, with each layer's expert load as metrics.
 
 Expert weights are stored [expert, in, out] with the logical axis "expert" first, so the
-sharding rules can split the experts over a mesh axis (expert parallelism).
+sharding rules can split the experts over a mesh axis. With an "expert" mesh axis of size P > 1
+(`mesh.expert=P`, expert parallelism) each device holds E/P experts of every layer and
+`expert_parallel` moves the tokens instead of the weights, under `shard_map`: every device
+routes its own tokens, sends each assignment to the device holding its expert (all-to-all),
+runs its local experts over what it received (grouped matmuls), and sends the results back
+(all-to-all). The other mesh axes stay FSDP / data parallel (the expert weights' model
+dimension is split over "fsdp" and gathered for the layer, like any FSDP weight). One device,
+or no mesh, or "expert" of size 1: the plain `dropless` path.
+
+All-to-all needs static shapes and XLA:CPU has no `ragged_all_to_all`, so the exchange is a
+dense all-to-all of fixed per-peer slots, sized for the worst case to stay dropless: a token
+sends at most min(k, E/P) assignments to one peer (its k experts are distinct), so a device
+with T tokens gives each of the P peers C = T * min(k, E/P) rows. The cost of that guarantee:
+send and receive buffers of P * C rows (P * min(k, E/P) / k times the T * k assignments),
+and the same factor on the bytes moved, each way, every layer (OLMoE-1B-7B with P = 8: 8x;
+docs/planning.md). The local grouped matmuls take the P * C received rows, about T * k of
+them real on average: TPU and GPU multiply only the rows inside the groups, XLA:CPU's
+`ragged_dot` every row by every local expert. `jax.lax.ragged_all_to_all`, which would move
+only the real rows, is not implemented by XLA:CPU (this jax, 0.10.2), so nothing here could
+test it. `moe_exchange: all_gather` trades the all-to-all for an all-gather of the expert
+group's tokens and a reduce-scatter of the results: P * T rows each way, each token once
+whatever its k, which is min(k, E/P) times fewer than the slots (OLMoE-1B-7B: 8x); every
+device then sorts the P * T * k assignments of the group to find its own.
 """
 
 from typing import NamedTuple, Optional
@@ -40,6 +62,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import AttentionMask
@@ -204,6 +227,124 @@ def dense_reference(
     return jnp.einsum("etd,te->td", experts.everywhere(x), combine.astype(x.dtype))
 
 
+def expert_parallel_axis(constrain: Constrain, n_experts: int) -> Optional[str]:
+    """The mesh axis the experts are split over (expert parallelism), or None: no mesh, or the
+    rules' "expert" axis absent or of size 1."""
+    mesh, rules = getattr(constrain, "mesh", None), getattr(constrain, "rules", None)
+    if mesh is None or rules is None:
+        return None
+    axis = rules.mesh_axes("expert")
+    if not isinstance(axis, str) or mesh.shape.get(axis, 1) <= 1:
+        return None
+    if n_experts % mesh.shape[axis]:
+        raise ValueError(
+            f"expert parallelism: n_experts={n_experts} is not divisible by mesh.{axis}={mesh.shape[axis]}; "
+            f"choose mesh.{axis} among the divisors of {n_experts}"
+        )
+    return axis
+
+
+def _exchange(
+    x: Float[Array, "tokens d_model"],
+    experts_of: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    local: Experts,
+    axis: str,
+    peers: int,
+) -> Float[Array, "tokens d_model"]:
+    """One device's share of `expert_parallel` (inside shard_map): this device's tokens in,
+    their MoE output out; `local` holds this device's E/P experts."""
+    tokens, k = experts_of.shape
+    d_model = x.shape[-1]
+    per_peer = local.gate_proj.shape[0]  # E / P: peer p holds experts p * per_peer ...
+    slots = tokens * min(k, per_peer)  # the worst case one peer can be sent (dropless)
+    all_to_all = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
+
+    # Sort the assignments by expert: those for peer p are then contiguous, by local expert.
+    flat = experts_of.reshape(-1)  # assignment a = token * k + slot
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.zeros((peers * per_peer,), jnp.int32).at[flat].add(1)
+    to_peer = jnp.sum(counts.reshape(peers, per_peer), axis=1)
+    peer = flat[order] // per_peer
+    row = jnp.arange(flat.shape[0]) - (jnp.cumsum(to_peer) - to_peer)[peer]  # row in peer's slots
+    send = jnp.zeros((peers, slots, d_model), x.dtype).at[peer, row].set(x[order // k])
+    received = all_to_all(send)  # received[p]: rows from peer p, by our local expert
+    received_counts = all_to_all(counts.reshape(peers, per_peer))  # [source peer, local expert]
+
+    # Regroup everything received by local expert (the unused slots, key per_peer, go last).
+    ends = jnp.cumsum(received_counts, axis=1)
+    expert_of_row = jnp.sum(jnp.arange(slots)[None, :, None] >= ends[:, None, :], axis=-1)
+    regroup = jnp.argsort(expert_of_row.reshape(-1), stable=True)
+    done = local.grouped(received.reshape(-1, d_model)[regroup], jnp.sum(received_counts, axis=0))
+    undo = jnp.zeros_like(regroup).at[regroup].set(jnp.arange(regroup.shape[0], dtype=regroup.dtype))
+    back = all_to_all(done[undo].reshape(peers, slots, d_model))  # back[p]: our rows, from peer p
+
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    out = back[peer, row][inverse].reshape(tokens, k, d_model)
+    return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
+
+
+def _gather_and_scatter(
+    x: Float[Array, "tokens d_model"],
+    experts_of: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    local: Experts,
+    axis: str,
+    peers: int,
+) -> Float[Array, "tokens d_model"]:
+    """`_exchange` by all-gather + reduce-scatter: every device of the expert group gets all of
+    the group's tokens (P x T rows, each token once whatever its k), runs its local experts on
+    the assignments that reach them, weights and sums them per token, and the partial sums are
+    reduce-scattered back to the tokens' devices."""
+    tokens, k = experts_of.shape
+    per_peer = local.gate_proj.shape[0]
+    gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
+    everyone, their_experts, their_weights = gather(x), gather(experts_of), gather(weights)
+    mine = their_experts - jax.lax.axis_index(axis) * per_peer  # local expert id, if in range
+    key = jnp.where((mine >= 0) & (mine < per_peer), mine, per_peer).reshape(-1)
+    # At most min(k, E/P) of a token's k assignments are ours: that many rows per token suffice.
+    order = jnp.argsort(key, stable=True)[: peers * tokens * min(k, per_peer)]
+    group_sizes = jnp.zeros((per_peer + 1,), jnp.int32).at[key].add(1)[:per_peer]
+    token = order // k
+    done = local.grouped(everyone[token], group_sizes)
+    weight = jnp.where(key[order] < per_peer, their_weights.reshape(-1)[order], 0.0).astype(done.dtype)
+    partial = jnp.zeros_like(everyone).at[token].add(done * weight[:, None])
+    return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+
+
+def expert_parallel(
+    x: Float[Array, "batch seq d_model"],
+    routing: Routing,
+    experts: Experts,
+    constrain: Constrain,
+    axis: str,
+    exchange: str = "all_to_all",
+) -> Float[Array, "batch seq d_model"]:
+    """`dropless` with the experts split over the mesh axis `axis`, tokens exchanged by
+    all-to-all under `shard_map` (see the module doc for the buffers' sizes).
+
+    Each device keeps its tokens (the batch and sequence split of the activations) and gets
+    its experts' weights whole along the model dimension (FSDP's gather at the boundary)."""
+    mesh = constrain.mesh
+    spec = constrain.spec(x.shape, HIDDEN)
+    tokens = P(spec[0], spec[1], None)
+    per_token = lambda a: a.reshape(*x.shape[:2], -1)  # noqa: E731
+
+    def shard(x, experts_of, weights, local):
+        rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+        run_local = _exchange if exchange == "all_to_all" else _gather_and_scatter
+        return run_local(rows(x), rows(experts_of), rows(weights), local, axis, mesh.shape[axis]).reshape(x.shape)
+
+    run = jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, jax.tree.map(lambda _: P(axis, None, None), experts)),
+        out_specs=tokens,
+        check_vma=False,
+    )
+    return run(x, per_token(routing.experts), per_token(routing.weights), experts)
+
+
 class MoE(eqx.Module):
     """Router + experts: [batch, seq, d_model] -> the same shape, and the layer's router stats."""
 
@@ -224,9 +365,13 @@ class MoE(eqx.Module):
         config = self.config
         flat = x.reshape(-1, x.shape[-1])  # routing is per token: batch and sequence merge
         routing = route(flat, self.router, config)
-        combine = dense_reference if config.moe_impl == "dense" else dropless
-        out = combine(flat, routing, self.experts)
-        return constrain(out.reshape(x.shape), HIDDEN), router_stats(routing)
+        axis = None if config.moe_impl == "dense" else expert_parallel_axis(constrain, config.n_experts)
+        if axis is not None:
+            out = expert_parallel(x, routing, self.experts, constrain, axis, config.moe_exchange)
+        else:
+            combine = dense_reference if config.moe_impl == "dense" else dropless
+            out = combine(flat, routing, self.experts).reshape(x.shape)
+        return constrain(out, HIDDEN), router_stats(routing)
 
 
 # ---------------------------------------------------------------------------------------------
