@@ -24,6 +24,11 @@ Key heads may be fewer than value heads (each q/k head serves gdn_heads // gdn_k
 consecutive value heads). Under document masking the delta rule's state and the convolution
 restart at every document start. Decoding keeps, per GDN layer, the state and the
 convolution's last inputs instead of a KV cache (`olmo_eqx.generate`).
+
+Context parallelism (`mesh.context=N`) splits the attention layers only: the GDN layers have
+no context-parallel form yet. XLA gathers each sequence onto every device of the context
+group and each runs the whole chunk scan (N-fold GDN work, full-sequence GDN activations per
+device); a real one would pass each shard's final state to the next (docs/planning.md).
 """
 
 import math
