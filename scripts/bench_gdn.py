@@ -1,8 +1,12 @@
 """A Gated DeltaNet layer against a blockwise-attention layer on CPU: tokens/s and memory.
 
-    python scripts/bench_gdn.py                       # both parts, about 10 minutes on 5 cores
-    python scripts/bench_gdn.py --part memory         # compiles only: seconds
-    python scripts/bench_gdn.py --part speed --seqs 2048,4096
+    python scripts/bench_gdn.py                       # both parts
+    python scripts/bench_gdn.py --part memory         # compiles only
+    python scripts/bench_gdn.py --part speed --seqs 2048,4096 [--only gdn|attention]
+
+On 2 cores shared with other work the attention layer's compile grew with the sequence (46 s
+at 2K, 236 s at 8K, 500 s at 16K) and so did the hybrid model's in the memory part (636 s at
+16K): the long rows take the most time, in compiling as much as in running.
 
 **memory**: the forward + backward pass of one GDN token mixer (projections, convolutions,
 the chunked delta rule, gated norm, output projection) and of a small OLMo-Hybrid model
