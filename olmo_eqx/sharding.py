@@ -119,6 +119,9 @@ class ShardingRules:
     act_mlp: Optional[str] = "tensor"
     act_vocab: Optional[str] = "tensor"
     head_dim: Optional[str] = None
+    # The sequence inside OLMo-Hybrid's delta-rule scan: whole on every device (the scan over
+    # chunks has no context-parallel form; gathered once per layer, not once per chunk).
+    gdn_sequence: Optional[str] = None
 
     def __post_init__(self):
         # Configs may hand over lists (YAML); keep the rules hashable (they key jit caches).

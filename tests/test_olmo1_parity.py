@@ -2,7 +2,7 @@
 
 As tests/test_model_parity.py: a random HF model written with `save_pretrained` and read with
 `load_hf`; logits, loss, every gradient, the round trip back to HF files (exact both ways) and
-greedy generation compared. OLMo 1's norms have no weights, so nothing needs perturbing; the
+greedy generation compared, and a row of packed documents against HF on each document. OLMo 1's norms have no weights, so nothing needs perturbing; the
 clipped case uses a clip small enough that the clamp bites.
 """
 
@@ -99,6 +99,30 @@ def test_logits_match_pytorch(pair):
             jnp.asarray(tokens),
         )
         assert np.abs(np.asarray(unclipped) - expected).max() > 100 * 1e-5 * scale
+
+
+def test_packed_documents_match_pytorch_on_each_document(pair):
+    """Row 0 packs three documents (positions restarting at each): under document masking its
+    logits equal HF's on each document alone (OLMo 1 masks through the shared attention path)."""
+    case, hf_model, ours, tokens, _ = pair
+    cuts = [0, 7, 16, SEQ]
+    segment_ids = np.zeros((BATCH, SEQ), np.int32)
+    positions = np.tile(np.arange(SEQ), (BATCH, 1))
+    for d, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        segment_ids[0, a:b] = d
+        positions[0, a:b] = np.arange(b - a)
+    logits = eqx.filter_jit(lambda m, t, p, s: m(t, p, segment_ids=s))
+    got = np.asarray(logits(ours, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids)))
+    with torch.no_grad():
+        expected = np.concatenate(
+            [hf_model(torch.as_tensor(tokens[:1, a:b])).logits.numpy() for a, b in zip(cuts[:-1], cuts[1:])], axis=1
+        )
+        unpacked = hf_model(torch.as_tensor(tokens[1:])).logits.numpy()
+    scale = np.abs(expected).max()
+    assert np.abs(got[:1] - expected).max() <= 1e-5 * scale, case.id
+    assert np.abs(got[1:] - unpacked).max() <= 1e-5 * np.abs(unpacked).max(), case.id
+    unmasked = np.asarray(eqx.filter_jit(lambda m, t, p: m(t, p))(ours, jnp.asarray(tokens), jnp.asarray(positions)))
+    assert np.abs(unmasked[:1] - expected).max() > 100 * 1e-5 * scale  # the mask matters here
 
 
 def test_loss_and_gradients_match_pytorch(pair):

@@ -15,8 +15,9 @@ delta_i = beta_i (v_i - a_i S_{i-1}^T k_i) solve a unit lower-triangular system
     (I + A) delta = beta v - (beta gamma k) S0,   A_ij = beta_i (gamma_i / gamma_j) k_i . k_j  (j < i)
 
 after which o = (q gamma) S0 + [(q k^T) * decay] delta and the state leaving the chunk is
-gamma_C S0 + sum_j (gamma_C / gamma_j) k_j delta_j^T: matmuls of C x C and C x d, one
-triangular solve, and a `lax.scan` over chunks carrying S in float32. Memory is linear in the
+gamma_C S0 + sum_j (gamma_C / gamma_j) k_j delta_j^T: matmuls of C x C and C x d, the
+inverse of (I + A) (by 2 x 2 blocks, log2 C rounds of matmuls: `unit_lower_inverse`), and a
+`lax.scan` over chunks carrying S in float32. Memory is linear in the
 sequence; the chunk step is rematerialised (`jax.checkpoint`), so the backward pass keeps one
 state per chunk, never one per token.
 
@@ -101,6 +102,58 @@ def recurrent(
     return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
 
 
+def _block_inverse(m):
+    """The inverse of unit lower-triangular [..., C, C] matrices, C a power of two, by blocks:
+    [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]], from 1 x 1 blocks (the unit
+    diagonal) up to C x C in log2(C) rounds of batched matmuls."""
+    size = m.shape[-1]
+    batch = m.shape[:-2]
+    inverse = jnp.ones((*batch, size, 1, 1), m.dtype)  # the 1 x 1 diagonal blocks' inverses
+    block = 1
+    while block < size:
+        pairs = size // (2 * block)
+        # The sub-diagonal block B of each diagonal 2b x 2b block of m: rows b..2b, columns 0..b.
+        tiles = m.reshape(*batch, pairs, 2 * block, pairs, 2 * block)
+        diagonal = jnp.moveaxis(jnp.diagonal(tiles, axis1=-4, axis2=-2), -1, -3)  # [..., pairs, 2b, 2b]
+        lower = diagonal[..., block:, :block]
+        upper_inverse, lower_inverse = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        corner = -(lower_inverse @ lower @ upper_inverse)
+        zeros = jnp.zeros_like(corner)
+        inverse = jnp.concatenate(
+            [jnp.concatenate([upper_inverse, zeros], axis=-1), jnp.concatenate([corner, lower_inverse], axis=-1)], axis=-2
+        )
+        block *= 2
+    return inverse[..., 0, :, :]
+
+
+@jax.custom_vjp
+def unit_lower_inverse(m: Float[Array, "*batch size size"]) -> Float[Array, "*batch size size"]:
+    """The inverse of unit lower-triangular matrices (only the strictly lower part of `m` is read).
+
+    Matmuls only: XLA:CPU's `triangular_solve` ran the chunk's 64 x 64 solve about 400x slower
+    than a matmul of the same shapes. The backward pass is d(M^-1) = -M^-T dX M^-T, also matmuls,
+    kept to the strictly lower part."""
+    size = m.shape[-1]
+    padded = 1 << max(size - 1, 0).bit_length()  # the next power of two: pad with the identity
+    if padded != size:
+        pad = [(0, 0)] * (m.ndim - 2) + [(0, padded - size)] * 2
+        return _block_inverse(jnp.pad(m, pad))[..., :size, :size]
+    return _block_inverse(m)
+
+
+def _inverse_fwd(m):
+    inverse = unit_lower_inverse(m)
+    return inverse, inverse
+
+
+def _inverse_bwd(inverse, d_inverse):
+    transposed = jnp.swapaxes(inverse, -1, -2)
+    return (jnp.tril(-(transposed @ d_inverse @ transposed), -1),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def _chunk_step(state, chunk):
     """One chunk: (state entering [b, h, dk, dv]) -> (state leaving, outputs [b, h, C, dv])."""
     q, k, v, g, beta, doc, previous_doc = chunk  # [b, h, C, d], [b, h, C], docs [b, C] / [b]
@@ -116,7 +169,7 @@ def _chunk_step(state, chunk):
     strictly_lower = decay * (1 - jnp.eye(size, dtype=decay.dtype))
     system = jnp.eye(size, dtype=decay.dtype) + beta[..., :, None] * (k @ jnp.swapaxes(k, -1, -2)) * strictly_lower
     rhs = jnp.concatenate([beta[..., None] * v, (beta * gamma)[..., None] * k], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_inverse(system) @ rhs
     new_values, decayed_keys = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     delta = new_values - decayed_keys @ state  # the writes delta_i
     scores = (q @ jnp.swapaxes(k, -1, -2)) * decay

@@ -24,6 +24,12 @@ Key heads may be fewer than value heads (each q/k head serves gdn_heads // gdn_k
 consecutive value heads). Under document masking the delta rule's state and the convolution
 restart at every document start. Decoding keeps, per GDN layer, the state and the
 convolution's last inputs instead of a KV cache (`olmo_eqx.generate`).
+
+Context parallelism (`mesh.context=N`) splits the attention layers only: the GDN layers have
+no context-parallel form yet. Their scan inputs are gathered to whole sequences once per layer
+(logical axis `gdn_sequence`) and every device of the context group runs the whole chunk scan
+(N-fold GDN work, full-sequence GDN activations per device); a real one would pass each
+shard's final state to the next (docs/planning.md).
 """
 
 import math
@@ -142,7 +148,14 @@ class GatedDeltaNet(eqx.Module):
         constrain: Constrain = unconstrained,
     ) -> Float[Array, "batch seq d_model"]:
         args, _ = self.inputs(x, config=config, documents=documents, constrain=constrain)
+        # Under context parallelism XLA:TPU would otherwise gather the whole chunk-stacked input
+        # in every iteration of the chunk scan: gather the sequence once, before it.
+        whole = ("batch", "gdn_sequence", "act_heads", "head_dim")
+        args = tuple(constrain(a, whole[: a.ndim]) for a in args)
+        if documents is not None:
+            documents = constrain(documents, whole[:2])
         o, _ = gated_deltanet.chunked(*args, documents, chunk_size=config.gdn_chunk_size)
+        o = constrain(o, ("batch", "sequence", "act_heads", "head_dim"))
         return self.output(checkpoint_name(o, "attention_context"), x, constrain)
 
 
