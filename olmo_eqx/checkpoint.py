@@ -177,6 +177,22 @@ def _quiet_read_only_notices(read_only: bool):
         absl_logger.removeFilter(keep)
 
 
+
+def _listed(list_steps, attempts: int = 5):
+    """`list_steps()` (Orbax listing the step dirs), again if a step vanished while it listed.
+
+    Orbax lists the step dirs, then reads each one's metadata; a live run's retention (another
+    process: eval or export reading a run that trains) can remove a step in between, which
+    Orbax reports as FileNotFoundError. The pins keep the step a reader reads; any other step
+    may go, and a fresh listing no longer has it."""
+    for attempt in range(attempts):
+        try:
+            return list_steps()
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
 class Checkpointer:
     """Save and restore train states in `directory` (made absolute; created if missing).
 
@@ -250,7 +266,7 @@ class Checkpointer:
                 # must not, or it would delete a live run's in-flight save.
                 cleanup_tmp_directories=not read_only,
             )
-            self._manager = ocp.CheckpointManager(orbax_dir, options=options, item_names=_ITEMS)
+            self._manager = _listed(lambda: ocp.CheckpointManager(orbax_dir, options=options, item_names=_ITEMS))
         if self.remote is not None and not read_only:
             self._upload_pending()
 
@@ -268,7 +284,7 @@ class Checkpointer:
         """This process's own listing (process 0's, or a reader's)."""
         if self.remote is not None:  # committed.json written last, no set-aside marker
             return self.remote.committed_steps()
-        self._manager.reload()
+        _listed(self._manager.reload)
         # Orbax commits by renaming its tmp dir on POSIX and lists any step-named dir; also
         # demand the commit marker it writes last, so a step dir copied or synced without
         # finishing (or written by a non-atomic filesystem) is never taken for complete.
@@ -338,7 +354,7 @@ class Checkpointer:
                 from jax.experimental import multihost_utils
 
                 multihost_utils.sync_global_devices(f"olmo_eqx_set_aside_{step}")
-                self._manager.reload()
+                _listed(self._manager.reload)
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(state.model),
             train=ocp.args.StandardSave(_train_part(state)),
@@ -402,7 +418,7 @@ class Checkpointer:
         self._failed_step = step
         self._saving = None
         with contextlib.suppress(Exception):
-            self._manager.reload()
+            _listed(self._manager.reload)
         raise CheckpointSaveError(
             f"saving checkpoint step {step} to {self.directory / str(step)} failed: {os_reason(error)}. "
             "Nothing partial was kept; the previous checkpoints are intact. Free space or fix the "
@@ -438,7 +454,7 @@ class Checkpointer:
         target.parent.mkdir(parents=True, exist_ok=True)
         (self._local / str(step)).rename(target)
         self._verified.discard(step)
-        self._manager.reload()
+        _listed(self._manager.reload)
         return target
 
     def protect(self, *steps: Optional[int]) -> None:
@@ -456,7 +472,7 @@ class Checkpointer:
         steps = self._list_steps()
         sealed = {s for s in steps if has_digests(self._local / str(s))}
         if not steps_to_delete(steps, sealed, self.keep_last, self.keep_every, self.protected):
-            self._manager.reload()
+            _listed(self._manager.reload)
             return  # nothing to delete, whatever readers pin: no lock (a run never pruned keeps no pins/)
         doomed = []
         # Under the pins' lock, created if no reader has yet: a reader's pin is seen here, or
@@ -476,7 +492,7 @@ class Checkpointer:
                 doomed.append(path)
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
-        self._manager.reload()
+        _listed(self._manager.reload)
 
     def _prune_remote(self) -> None:
         """Retention on an object store: every committed step has its manifest; the newest step
@@ -506,7 +522,7 @@ class Checkpointer:
         for path in self._local.iterdir():
             if path.name.isdigit() and int(path.name) in held:
                 shutil.rmtree(path, ignore_errors=True)
-        self._manager.reload()
+        _listed(self._manager.reload)
 
     def _copy_verifies(self, step: int, target: Path) -> bool:
         """Whether the staging dir already holds a copy of committed step `step` (an earlier
@@ -559,7 +575,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointCorruptError(self.directory / str(step), step, "its objects", f"unreadable ({e})") from e
         tmp.rename(target)
-        self._manager.reload()
+        _listed(self._manager.reload)
         self._verified.add(step)
         return True
 
