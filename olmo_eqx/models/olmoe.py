@@ -207,15 +207,25 @@ class Experts(eqx.Module):
 def dropless(x: Float[Array, "tokens d_model"], routing: Routing, experts: Experts) -> Float[Array, "tokens d_model"]:
     """Sort the tokens' k assignments by expert, run each expert over its group, unsort, and
     sum each token's k outputs weighted by the router."""
-    tokens, k = routing.experts.shape
+    k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1)  # assignment a = token * k + slot
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     group_sizes = jnp.zeros((experts.gate_proj.shape[0],), jnp.int32).at[flat].add(1)
     out = experts.grouped(x[order // k], group_sizes)
     # Back to assignment order by the inverse permutation (a gather, not a scatter-add).
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    out = out[inverse].reshape(tokens, k, -1)
-    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(out.dtype))
+    return _weighted_sum(out[_inverse(order)], routing.weights)
+
+
+def _inverse(permutation: Int[Array, " n"]) -> Int[Array, " n"]:
+    """The inverse of a permutation, by one scatter (cheaper than sorting it again)."""
+    return jnp.zeros_like(permutation).at[permutation].set(jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+
+
+def _weighted_sum(out: Float[Array, "assignments d_model"], weights: Float[Array, "tokens k"]) -> Float[Array, "tokens d_model"]:
+    """Each token's k expert outputs (in assignment order, token * k + slot), summed with the
+    router's weights."""
+    tokens, k = weights.shape
+    return jnp.einsum("tkd,tk->td", out.reshape(tokens, k, -1), weights.astype(out.dtype))
 
 
 def dense_reference(
@@ -276,12 +286,8 @@ def _exchange(
     expert_of_row = jnp.sum(jnp.arange(slots)[None, :, None] >= ends[:, None, :], axis=-1)
     regroup = jnp.argsort(expert_of_row.reshape(-1), stable=True)
     done = local.grouped(received.reshape(-1, d_model)[regroup], jnp.sum(received_counts, axis=0))
-    undo = jnp.zeros_like(regroup).at[regroup].set(jnp.arange(regroup.shape[0], dtype=regroup.dtype))
-    back = all_to_all(done[undo].reshape(peers, slots, d_model))  # back[p]: our rows, from peer p
-
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    out = back[peer, row][inverse].reshape(tokens, k, d_model)
-    return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
+    back = all_to_all(done[_inverse(regroup)].reshape(peers, slots, d_model))  # back[p]: our rows, from peer p
+    return _weighted_sum(back[peer, row][_inverse(order)], weights)
 
 
 def _gather_and_scatter(
