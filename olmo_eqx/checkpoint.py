@@ -177,7 +177,6 @@ def _quiet_read_only_notices(read_only: bool):
         absl_logger.removeFilter(keep)
 
 
-
 def _listed(list_steps, attempts: int = 5):
     """`list_steps()` (Orbax listing the step dirs), again if a step vanished while it listed.
 
@@ -192,6 +191,7 @@ def _listed(list_steps, attempts: int = 5):
             if attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
+
 
 class Checkpointer:
     """Save and restore train states in `directory` (made absolute; created if missing).

@@ -326,7 +326,8 @@ def compile_train_step(config, devices) -> CompiledStep:
 
 
 def memory_bytes(memory) -> dict:
-    """XLA's memory analysis of one device's program: what it holds at its peak ("total")."""
+    """XLA's memory analysis of one device's program, per kind, and their sum ("total": what
+    XLA:CPU and XLA:GPU need; XLA:TPU holds its temporaries alone against HBM, see plan_config)."""
     arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
     aliased, temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
     return {
@@ -512,7 +513,7 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
     # (18.0 GiB on 15.75: docs/planning.md, "Checked on a chip"), so for TPU that sum overstates
     # the need. Elsewhere arguments + outputs + temporaries is the bound.
     memory["needed"] = memory["temporaries"] if target.platform == "tpu" else memory["total"]
-    total = memory["needed"]
+    needed = memory["needed"]
     traffic, gathered, unknown_trip = collective_traffic(step.hlo)
     batch_shards = _batch_shards(mesh, rules)
     result.update(
@@ -532,9 +533,9 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
     # An accelerator's compiler refuses what does not fit (XLA:TPU) or only logs it (XLA:GPU):
     # compare with the chip either way; XLA:CPU's figures are compared with the usual chips.
     if chip:
-        result["fits"] = total <= chip.hbm_bytes
+        result["fits"] = needed <= chip.hbm_bytes
     else:
-        result["fits_accelerators"] = {name: total <= gib * GIB for name, gib in ACCELERATORS}
+        result["fits_accelerators"] = {name: needed <= gib * GIB for name, gib in ACCELERATORS}
     warnings = result["warnings"]
     if data.global_batch_size % batch_shards:
         warnings.append(

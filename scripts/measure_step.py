@@ -99,9 +99,10 @@ def measure(overrides: list[str], steps: int) -> dict:
     result["compile_seconds"] = time.perf_counter() - started
     result["bytes"] = memory_bytes(step.memory)
     b = result["bytes"]
-    print(f"compiled in {result['compile_seconds']:.1f}s: {b['total'] / GIB:.2f} GiB per device "
-          f"(arguments {b['arguments'] / GIB:.2f}, temporaries {b['temporaries'] / GIB:.2f}, "
-          f"host {b['host'] / GIB:.2f})", flush=True)
+    print(f"compiled in {result['compile_seconds']:.1f}s, per device: arguments {b['arguments'] / GIB:.2f} GiB, "
+          f"temporaries {b['temporaries'] / GIB:.2f} GiB (what XLA:TPU holds against HBM), "
+          f"arguments + outputs - aliased + temporaries {b['total'] / GIB:.2f} GiB, host {b['host'] / GIB:.2f} GiB",
+          flush=True)
 
     state = init_train_state(model, config.optim, None, step.mesh, step.rules, jax.random.key(0))
     arrays = eqx.filter(state, eqx.is_array)
