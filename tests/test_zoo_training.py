@@ -5,9 +5,7 @@ the uninterrupted run's. Nano shapes and 64-token sequences keep each model to s
 import json
 import shutil
 
-import jax
 import pytest
-from jax._src import compilation_cache as jax_compilation_cache
 
 from olmo_eqx.config import compose_config
 from olmo_eqx.train.loop import train
@@ -32,23 +30,6 @@ RUN = [
     "trainer.loggers=[jsonl]",
     "optim.lr=3e-3",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """Both runs of a model compile the same step: share it through JAX's persistent cache."""
-    settings = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache_zoo_training")),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    saved = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_compilation_cache.reset_cache()
 
 
 def losses(run_dir) -> dict[int, float]:
