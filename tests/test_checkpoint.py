@@ -320,6 +320,10 @@ LIVE_WRITER_SCRIPT = textwrap.dedent(
 )
 
 
+def committed_steps(directory: Path) -> list[int]:
+    return [int(p.parent.name) for p in directory.glob(f"*/{COMMIT_MARKER}") if p.parent.name.isdigit()] or [0]
+
+
 def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
     """A writer process saves every step with keep_last=1 while this process, as +stage=eval
     does (`locate` pins, `load_model` verifies and restores), reads the run again and again:
@@ -352,6 +356,12 @@ def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
                 assert (location.directory / str(location.step) / COMMIT_MARKER).exists()  # kept while pinned
                 read.append(location.step)
                 _release_all()  # the reader's exit: retention may take the step now
+        # The last pin may have been released after the writer's latest prune, which then kept
+        # its step. Step L+1, not yet committed when L was the newest after the release, is
+        # pruned after the release; L+2's save starts only once that prune returned.
+        newest_after_release = max(committed_steps(run_dir / "checkpoints"))
+        while max(committed_steps(run_dir / "checkpoints")) < newest_after_release + 2 and writer.poll() is None and time.time() < deadline + 120:
+            time.sleep(0.05)
     finally:
         (run_dir / "stop").touch()
         out, err = writer.communicate(timeout=120)
