@@ -106,9 +106,11 @@ class RunDir:
         for sink in self._sinks or []:
             sink.close()
         self._sinks = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        # Taken out of reach before closing: a signal handler that prints while the file closes
+        # (ignore_signals_after_completion) then appends to a fresh handle, not a closed one.
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()
 
     def __enter__(self) -> "RunDir":
         return self

@@ -23,7 +23,7 @@ from olmo_eqx.data.token_files import write_token_file
 from olmo_eqx.run_lock import LOCK_FILE, RunLock
 from olmo_eqx.train.divergence import DivergenceGuard
 
-from clihelp import TINY, olmo_eqx
+from clihelp import TINY, olmo_eqx, xla_flags
 
 NANO_VOCAB = 4096
 
@@ -31,7 +31,7 @@ NANO_VOCAB = 4096
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
     return {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": xla_flags(1),
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
@@ -438,6 +438,27 @@ def test_a_signal_after_done_leaves_exit_status_zero(tmp_path, env):
     assert process.wait(timeout=120) == 0, "".join(seen)
     assert any("SIGTERM after the run completed: ignored" in line for line in seen), "".join(seen)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["end_step"] == 2
+
+
+def test_a_line_printed_while_the_run_log_closes_is_kept(tmp_path):
+    """The race behind the test above, made certain: a signal handler's line lands just as the
+    run's log file finishes closing (it once raised "I/O operation on closed file", exit 1)."""
+    from olmo_eqx.run_dir import RunDir
+
+    run = RunDir(tmp_path, log_name="train.log")
+    run.print("stopped at step 2")
+    log = run._log
+
+    class SignalOnClose:  # the log file, with a SIGTERM handler's line right after its close
+        def close(self):
+            log.close()
+            run.print("SIGTERM after the run completed: ignored")
+
+    run._log = SignalOnClose()
+    run.close()
+    run.close()
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert lines == ["stopped at step 2", "SIGTERM after the run completed: ignored"]
 
 
 # ---------------------------------------------------------------------------------------------
