@@ -2,6 +2,7 @@
 
 import os
 import socket
+import re
 import subprocess
 
 
@@ -61,9 +62,12 @@ def launch_local_cluster(
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
     slurm = [slurm_environment(n_processes, 0)] if launcher == "slurm" else []
+    # The caller's other XLA flags (the suite's compile flags in tests) with this device count.
+    others = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).split()
+    flags = " ".join([f"--xla_force_host_platform_device_count={devices_per_process}", *others])
     processes = []
     for rank in range(n_processes):
-        env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
+        env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
         if launcher == "slurm":
             env.update(slurm[0], SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))
         elif launcher == "jax":

@@ -19,7 +19,7 @@ from olmo_eqx.train.loop import train
 from olmo_eqx.train.state import sharded_abstract_train_state
 from olmo_eqx.warm_start import load_model, locate, stored_model_config
 
-from clihelp import TINY, olmo_eqx
+from clihelp import TINY, olmo_eqx, xla_flags
 from test_pretrain import read_metrics
 
 # The anneal counterpart of TINY (nano model, short sequences), 5 steps with its own batch.
@@ -54,7 +54,7 @@ def test_anneal_cli_on_one_device_from_an_8_device_checkpoint(pretrained, tmp_pa
         *ANNEAL,
         f"checkpoint.load={pretrained}",  # a run dir: its latest checkpoint (step 8)
         f"hydra.run.dir={run_dir}",
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env={"XLA_FLAGS": xla_flags(1)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 cpu device(s)" in result.stdout

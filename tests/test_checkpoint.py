@@ -27,6 +27,7 @@ from olmo_eqx.train.schedules import ScheduleConfig, make_schedule
 from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_train_step
 
+from clihelp import xla_flags
 from localcluster import launch_local_cluster
 
 TINY = ModelConfig(
@@ -339,7 +340,7 @@ def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
     writer = subprocess.Popen(
         [sys.executable, "-c", LIVE_WRITER_SCRIPT, str(run_dir / "checkpoints"), str(Path(__file__).parent)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(1)},
     )
     try:
         deadline = time.time() + 120

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from clihelp import xla_flags
+
 SEQ, BATCH, STEPS, SEED = 8, 8, 3, 11
 
 
@@ -65,7 +67,7 @@ def test_two_real_processes_read_disjoint_slices_of_the_global_batch(tmp_path):
     make_token_files(tmp_path, [100 * SEQ])
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_ADDOPTS")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
     procs = [

@@ -125,7 +125,7 @@ def test_sharded_generation_on_8_devices_gives_the_same_tokens(models):
 def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path):
     """`+stage=generate` on a pretrain run: prompts from the command line and a JSONL file (an
     empty one starts from EOS), decoded with the run's tokenizer, equal to the library's greedy."""
-    from clihelp import olmo_eqx as cli
+    from clihelp import olmo_eqx as cli, xla_flags
     from evalhelp import tiny_run
     from olmo_eqx.evaluation import TextTokenizer, load_model, locate
     from olmo_eqx.sharding import MeshConfig, make_mesh
@@ -136,7 +136,7 @@ def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path
     out = tmp_path / "out"
     result = cli("+stage=generate", f"checkpoint.load={run}", 'stage.prompts=["def f(x):\\n    return"]',
                  f"stage.prompts_file={prompts_file}", "stage.max_new_tokens=8", f"hydra.run.dir={out}",
-                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+                 env={"XLA_FLAGS": xla_flags(1)})
     assert result.returncode == 0, result.stdout + result.stderr
     written = json.loads((out / "generations.json").read_text())
     prompts = [c["prompt"] for c in written["completions"]]

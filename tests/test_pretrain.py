@@ -23,7 +23,7 @@ from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.train.loop import TrainError, train
 
-from clihelp import TINY, olmo_eqx
+from clihelp import TINY, olmo_eqx, xla_flags
 from localcluster import launch_local_cluster
 
 
@@ -50,7 +50,7 @@ def one_device(tmp_path_factory) -> dict:
     """Environment of subprocess runs that test the CLI, not sharding: one CPU device compiles
     faster than eight, and a shared compilation cache lets a rerun skip compiling."""
     return {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": xla_flags(1),
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }

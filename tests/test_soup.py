@@ -14,7 +14,7 @@ from olmo_eqx.sharding import ShardingRules, make_mesh
 from olmo_eqx.stages import StageError, load_stage
 from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 
-from clihelp import olmo_eqx
+from clihelp import olmo_eqx, xla_flags
 
 NANO = ["model=olmo3_nano"]
 
@@ -100,7 +100,7 @@ def test_soup_on_another_mesh_from_the_command_line(checkpoints, tmp_path):
         f"stage.checkpoints=[{path_a},{path_b}]",
         "mesh=data_parallel",
         f"hydra.run.dir={tmp_path}",
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={"XLA_FLAGS": xla_flags(2)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "'data': 2" in result.stdout and "0.5000 x" in result.stdout

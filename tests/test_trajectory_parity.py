@@ -61,6 +61,8 @@ def test_final_weights_match_reference(comparison):
     assert differences[worst] <= FINAL_WEIGHTS_RTOL
 
 
+# The bounds' power to fail is one fact about them, shown on one model (the GQA run adds 36 s).
+@pytest.mark.parametrize("comparison", ["olmo3_tiny"], indirect=True)
 def test_a_one_sided_recipe_change_breaks_parity(comparison, tmp_path):
     """Decaying the embedding on the reference side only must fail the bounds above."""
     name, result = comparison
