@@ -105,7 +105,6 @@ def test_loglikelihoods_equal_hf_pytorch_on_the_same_requests(tmp_path, tokenize
     import torch
     import transformers
 
-    torch.set_num_threads(2)
     max_length = 40  # the MC requests' few-shot contexts are longer: they get left-truncated
     config = ModelConfig(name="eval_parity", d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=96,
                          sliding_window=16, max_sequence_length=max_length, init_std=0.1)

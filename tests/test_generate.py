@@ -19,8 +19,6 @@ import olmo_eqx
 from olmo_eqx import load_hf
 from olmo_eqx.generate import decode_step, left_pad, prefill
 
-torch.set_num_threads(2)
-
 WINDOW = 8
 NEW = 20
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [7, 3], [150, 2, 99, 42, 42, 8], [64]]

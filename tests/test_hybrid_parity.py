@@ -28,8 +28,6 @@ from olmo_eqx import load_hf, save_hf, with_config
 from olmo_eqx.generate import generate
 from olmo_eqx.hf import hf_state_dict
 
-torch.set_num_threads(2)
-
 VOCAB = 200
 SEQ = 140  # > 2 chunks of 64
 BATCH = 2

@@ -18,8 +18,6 @@ import transformers
 from olmo_eqx import load_hf, save_hf, with_config
 from olmo_eqx.hf import hf_state_dict
 
-torch.set_num_threads(2)
-
 VOCAB = 200  # deliberately not a multiple of 128, so padding is exercised
 WINDOW = 16
 SEQ = 40  # > 2 * WINDOW

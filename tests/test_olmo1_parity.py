@@ -20,8 +20,6 @@ from olmo_eqx import load_hf, save_hf
 from olmo_eqx.generate import generate
 from olmo_eqx.hf import hf_state_dict
 
-torch.set_num_threads(2)
-
 VOCAB = 200  # not a multiple of 128: padding is exercised
 SEQ = 24
 BATCH = 2
