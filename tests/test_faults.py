@@ -29,12 +29,8 @@ NANO_VOCAB = 4096
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
-    return {
-        "XLA_FLAGS": xla_flags(1),
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+def env() -> dict:
+    return {"XLA_FLAGS": xla_flags(1)}  # the suite's compilation cache (conftest.py) is inherited
 
 
 def run(run_dir: Path, *overrides: str, env: dict, limit_file_bytes: int = 0):

@@ -16,7 +16,6 @@ import numpy as np
 
 import jax
 import pytest
-from jax._src import compilation_cache as jax_compilation_cache
 
 from olmo_eqx import huge_pages
 from olmo_eqx.config import compose_config
@@ -27,33 +26,11 @@ from clihelp import TINY, olmo_eqx, xla_flags
 from localcluster import launch_local_cluster
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """The in-process runs here compile the same programs again and again (every run builds
-    its own jitted step): share them through JAX's persistent cache, then restore the config."""
-    settings = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache_in_process")),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    saved = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_compilation_cache.reset_cache()  # forget the cache object bound to the directory above
-
-
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory) -> dict:
+def one_device() -> dict:
     """Environment of subprocess runs that test the CLI, not sharding: one CPU device compiles
-    faster than eight, and a shared compilation cache lets a rerun skip compiling."""
-    return {
-        "XLA_FLAGS": xla_flags(1),
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+    faster than eight (the suite's compilation cache, conftest.py, lets a rerun skip compiling)."""
+    return {"XLA_FLAGS": xla_flags(1)}
 
 
 def read_metrics(run_dir) -> dict[int, dict]:
