@@ -25,7 +25,7 @@ from olmo_eqx.train.state import sharded_abstract_train_state
 
 from clihelp import TINY
 from rangeserver import RangeServer
-from test_pretrain import read_metrics, shared_compilation_cache  # noqa: F401  (a module fixture)
+from test_pretrain import read_metrics
 
 VOCAB = 4096  # olmo3_nano's
 TOKENIZER = "allenai/dolma2-tokenizer"
