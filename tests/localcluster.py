@@ -1,8 +1,8 @@
 """Launch a real multi-controller JAX job on this machine: N processes over gloo on localhost."""
 
 import os
-import socket
 import re
+import socket
 import subprocess
 
 

@@ -10,7 +10,6 @@ RLIMIT_FSIZE in the child (SIGXFSZ ignored, so writes fail with EFBIG like ENOSP
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -190,7 +189,7 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_falls_back(tmp_path, env)
     assert f"taking over the stale lock {run_dir / LOCK_FILE} of pid {dead.pid}" in second.stderr
     assert f"checkpoint {checkpoints / '8'} (step 8) is unusable: model/" in out and "contents changed" in out
     assert f"checkpoint {checkpoints / '6'} (step 6) is unusable: model/" in out and "truncated" in out
-    assert f"(step 4) is unusable: loader/metadata: truncated" in out
+    assert "(step 4) is unusable: loader/metadata: truncated" in out
     assert out.count("falling back to step 2") == 3 and f"Resuming from {checkpoints / '2'}" in out
     # Nothing was deleted: the damaged steps, and the uncommitted 10 (moved before step 10 was
     # saved again, instead of Orbax's StepAlreadyExistsError), are kept aside.

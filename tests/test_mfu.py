@@ -30,3 +30,9 @@ def test_a_peak_measured_on_busy_cores_is_not_cached_and_says_so(fresh_peak, mon
     assert mfu.cpu_peak_flops() == 3.0e11
     assert not fresh_peak.exists()
     assert "busy cores (load 7.5 on 2)" in mfu.cpu_peak_source() and "MFU reads high" in mfu.cpu_peak_source()
+
+
+def test_the_suite_caches_its_peak_even_on_busy_cores(fresh_peak, monkeypatch):
+    monkeypatch.setattr(mfu.os, "getloadavg", lambda: (7.5, 6.0, 5.0))
+    assert mfu.cpu_peak_flops(cache_when_busy=True) == 3.0e11
+    assert json.loads(fresh_peak.read_text())["flops_per_second"] == 3.0e11

@@ -13,8 +13,6 @@ import sys
 import time
 
 import numpy as np
-
-import jax
 import pytest
 
 from olmo_eqx import huge_pages
