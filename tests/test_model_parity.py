@@ -189,6 +189,10 @@ def test_parity_would_catch_a_wrong_window(pair):
         assert np.abs(got - expected).max() > 100 * 1e-5 * scale, f"window {wrong} went unnoticed"
 
 
+# Remat changes no loss or gradient beyond float32 rounding; shown on the two layer stacks it wraps: OLMo 3's
+# scanned cycles (8 layers: two cycles of 3 sliding + 1 full) and OLMo 2's uniform stack. The
+# other cases differ from these only in heads and RoPE, which remat does not touch (21 s less).
+@pytest.mark.parametrize("pair", [CASES[1], CASES[4]], ids=lambda c: c.id, indirect=True)
 def test_remat_policies_change_nothing(pair):
     case, _, ours, tokens = pair
     loss = lambda m, t: mean_next_token_loss(m(t), t)  # noqa: E731

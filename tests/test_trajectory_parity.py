@@ -24,7 +24,11 @@ STEP_RTOL = 1e-4
 FINAL_WEIGHTS_RTOL = 4e-4  # measured worst 2.34e-4
 
 
-@pytest.fixture(scope="module", params=["olmo3_tiny", "olmo3_tiny_gqa"])
+# One model: the trajectory checks the train step (loss, clipping, AdamW, schedules, stage
+# hand-over), which is the same for every attention layout; GQA's forward and gradients are held
+# to HF's at 1e-5 in tests/test_model_parity.py. (olmo3_tiny_gqa passes too, with the bounds
+# above: add it here to see; it costs 33 s of the suite.)
+@pytest.fixture(scope="module", params=["olmo3_tiny"])
 def comparison(request, tmp_path_factory):
     return request.param, run_both(tmp_path_factory.mktemp(request.param), model_name=request.param)
 
@@ -61,8 +65,7 @@ def test_final_weights_match_reference(comparison):
     assert differences[worst] <= FINAL_WEIGHTS_RTOL
 
 
-# The bounds' power to fail is one fact about them, shown on one model (the GQA run adds 36 s).
-@pytest.mark.parametrize("comparison", ["olmo3_tiny"], indirect=True)
+# The bounds' power to fail: a recipe change on one side only.
 def test_a_one_sided_recipe_change_breaks_parity(comparison, tmp_path):
     """Decaying the embedding on the reference side only must fail the bounds above."""
     name, result = comparison

@@ -39,14 +39,12 @@ def plot_domain_differences(rows: list[dict], name_a: str, name_b: str, path: Pa
     Returns None when written, else the reason it was skipped (matplotlib not installed).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # drawn by Agg to the file; no pyplot state
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib to get the plot)"
     names = [r["set"] for r in rows]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(names) + 3), 4))
+    figure = Figure(figsize=(max(6, 1.6 * len(names) + 3), 4))
+    left, right = figure.subplots(1, 2)
     left.bar(names, [r["loss_diff"] for r in rows], color="tab:blue")
     left.axhline(0, color="black", linewidth=0.8)
     left.set_title("held-out loss, A - B (nats/token)", fontsize=10)
@@ -57,5 +55,4 @@ def plot_domain_differences(rows: list[dict], name_a: str, name_b: str, path: Pa
         axis.tick_params(axis="x", labelrotation=20)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return None
