@@ -165,6 +165,30 @@ if "olmo_eqx" not in model_registry:
     model_registry.register("olmo_eqx", target=OLMoEqxLM)
 
 
+def _refuse_a_missing_checkpoint(argv: list[str]) -> None:
+    """Our model's `checkpoint=` is checked before lm-eval's command line starts: that indexes
+    every task lm-eval ships before it builds the model (about 9 s), too long to wait for a
+    one-line refusal of a typo'd path. The model checks it again (and reads it) as before."""
+    import argparse
+
+    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model")
+    parser.add_argument("--model_args")
+    known, _ = parser.parse_known_args(argv)
+    if known.model != "olmo_eqx" or not known.model_args:
+        return
+    args = dict(part.split("=", 1) for part in known.model_args.split(",") if "=" in part)
+    checkpoint = args.get("checkpoint", "").strip()
+    if not checkpoint or "://" in checkpoint:  # remote stores: left to the model, which retries
+        return
+    try:
+        resolve_checkpoint(checkpoint, allow_hf=True)
+    except CheckpointNotFoundError as e:
+        raise EvalError(f"--model_args checkpoint={checkpoint}: {e}") from e
+
+
 def main() -> None:
     """lm-eval's command line with `--model olmo_eqx` available; our model's refusals (a bad
     checkpoint, tokenizer or model arg) in one line, exit status 2."""
@@ -172,6 +196,7 @@ def main() -> None:
 
     sys.argv[0] = "python -m olmo_eqx.harness"
     try:
+        _refuse_a_missing_checkpoint(sys.argv[1:])
         cli_evaluate()
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
