@@ -160,7 +160,7 @@ SIGKILL_SCRIPT = textwrap.dedent(
 
 def test_sigkill_during_save_resumes_from_previous(tmp_path):
     directory = tmp_path / "ckpt"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     result = subprocess.run(
         [sys.executable, "-c", SIGKILL_SCRIPT, str(directory)], env=env, capture_output=True, text=True, timeout=300
     )
