@@ -154,6 +154,10 @@ class TrainerConfig:
     # [start, stop]: record a jax.profiler trace of steps start..stop (inclusive) into
     # <run dir>/profile (open with TensorBoard's profile plugin or Perfetto; README.md); null: none.
     profile_steps: Optional[tuple[int, int]] = None
+    # loss.png at the end of each session. false skips it: drawing imports matplotlib and reads
+    # all of metrics.jsonl, about 1 s on a small run (the test suite's runs skip it) and more on
+    # a long one; the plot can be drawn later from the run dir (olmo_eqx/plots.py).
+    plot: bool = True
 
     def __post_init__(self):
         if self.steps < 1:

@@ -32,10 +32,13 @@ TINY = [
     "trainer.eval_batches=1",
     "schedule.warmup_steps=2",
     "checkpoint.every=6",
-    # TensorBoard's writer imports torch when it is installed (2 s a run); test_pretrain's
-    # artifacts test covers that sink.
+    # TensorBoard's writer imports torch when it is installed (2 s a run), and loss.png costs
+    # matplotlib's import and drawing (0.8 s); test_pretrain's artifacts test covers both, and
+    # the tests that look at loss.png ask for it (PLOT).
     "trainer.loggers=[jsonl]",
+    "trainer.plot=false",
 ]
+PLOT = "trainer.plot=true"
 
 
 def olmo_eqx(*args: str, env: Optional[dict] = None, timeout: float = 300, cwd: Optional[Path] = None):

@@ -22,7 +22,7 @@ from olmo_eqx.data.token_files import write_token_file
 from olmo_eqx.run_lock import LOCK_FILE, RunLock
 from olmo_eqx.train.divergence import DivergenceGuard
 
-from clihelp import TINY, olmo_eqx, xla_flags
+from clihelp import PLOT, TINY, olmo_eqx, xla_flags
 
 NANO_VOCAB = 4096
 
@@ -300,7 +300,7 @@ def test_a_partial_metrics_line_is_set_aside_and_the_resume_appends_cleanly(tmp_
     fragment = '{"step": 7, "loss": 8.1, "l'  # what a SIGKILL mid-write leaves: no newline
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(fragment)
-    result = run(run_dir, env=env)
+    result = run(run_dir, PLOT, env=env)  # loss.png reads metrics.jsonl too
     assert result.returncode == 0, result.stderr
     assert "its last line was cut off" in result.stderr and (run_dir / "loss.png").exists()
     [aside] = run_dir.glob("metrics.jsonl.partial-*")

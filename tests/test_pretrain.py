@@ -20,7 +20,7 @@ from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.train.loop import TrainError, train
 
-from clihelp import TINY, olmo_eqx, xla_flags
+from clihelp import PLOT, TINY, olmo_eqx, xla_flags
 from localcluster import launch_local_cluster
 
 
@@ -47,7 +47,7 @@ def checkpoint_steps(run_dir) -> list[int]:
 
 # The reference run also feeds every metric sink and profiles three steps (none of which
 # changes a training number: the resume test compares against it bit for bit).
-SINKS = ["trainer.loggers=[jsonl,tensorboard,wandb]", "trainer.profile_steps=[4,6]"]
+SINKS = ["trainer.loggers=[jsonl,tensorboard,wandb]", "trainer.profile_steps=[4,6]", PLOT]
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +198,12 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     assert f"Resuming from {tmp_path / 'checkpoints' / str(stopped)}" in result.stdout
     # How long it ran, then what to do: not "rerun to resume in <seconds>", which reads as a countdown.
     assert re.search(rf"stopped at step {stopped + 2} \(trainer.stop_at\) after [\d.]+s; rerun to resume \|", result.stdout)
+    # trainer.plot=false (TINY's): no loss.png, and the closing line names none.
+    assert "| plot:" not in result.stdout and not (tmp_path / "loss.png").exists()
 
 
 def test_sweep_runs_each_job_in_its_own_dir_and_prints_a_table(tmp_path, one_device):
-    args = [a for a in TINY if not a.startswith("trainer.steps")] + ["trainer.steps=4", "trainer.eval_every=4"]
+    args = [a for a in TINY if not a.startswith("trainer.steps")] + ["trainer.steps=4", "trainer.eval_every=4", PLOT]
     result = olmo_eqx("-m", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}", env=one_device)
     assert result.returncode == 0, result.stdout + result.stderr
     for job in ("0", "1"):

@@ -482,7 +482,7 @@ class _Loop:
 
     def plot(self) -> None:
         """loss.png from the whole run (metrics.jsonl when kept, else this session's records)."""
-        if not self.out.enabled:
+        if not self.out.enabled or not self.trainer.plot:
             return
         metrics_file = self.out.file(METRICS_FILE)
         records = read_metrics(metrics_file) if "jsonl" in self.trainer.loggers and metrics_file.exists() else self.history
@@ -553,8 +553,9 @@ class _Loop:
             status = f"done in {took}"
         else:
             status = f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}) after {took}; rerun to resume"
+        plot = f" | plot: {self.out.file(PLOT_FILE)}" if self.trainer.plot else ""
         self.out.print(
-            f"\n{status} | summary: {summary_path} | plot: {self.out.file(PLOT_FILE)}"
+            f"\n{status} | summary: {summary_path}{plot}"
             f"\n{json.dumps(summary, indent=2)}"
         )
         return summary
