@@ -4,7 +4,7 @@ import os
 import sys
 from pathlib import Path
 
-# Bytecode for the project's own modules. Where PYTHONDONTWRITEBYTECODE is set (this CI image sets
+# Bytecode for the project's own modules. Where PYTHONDONTWRITEBYTECODE is set (this machine image sets
 # it), every `python -m olmo_eqx` a test starts compiles olmo_eqx's modules from source again:
 # 0.3 s of each of the suite's ~100 runs (site-packages were byte-compiled when installed).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
