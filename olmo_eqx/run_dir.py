@@ -52,6 +52,8 @@ class RunDir:
         self._log_name, self._log = log_name, None
         self._loggers, self._sink_config = tuple(loggers), sink_config
         self._sinks: Optional[list[MetricSink]] = None
+        self._lines: list[tuple[str, bool]] = []  # to print, in order (see `print`)
+        self._printing = False
 
     def _ensure(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -61,9 +63,25 @@ class RunDir:
         return self.path / name
 
     def print(self, text: str, *, error: bool = False) -> None:
-        """Print (stdout, or stderr with error=True) and append to the log file."""
+        """Print (stdout, or stderr with error=True) and append to the log file.
+
+        A signal handler that prints (`ignore_signals_after_completion`) runs between two
+        bytecodes of this thread, possibly inside this method's own write or flush, where a
+        second write to the same buffered file raises "reentrant call". Its line is queued
+        instead and printed by the call in progress, right after that call's line.
+        """
         if not self.enabled:
             return
+        self._lines.append((text, error))
+        while self._lines and not self._printing:
+            self._printing = True
+            try:
+                while self._lines:
+                    self._emit(*self._lines.pop(0))
+            finally:
+                self._printing = False
+
+    def _emit(self, text: str, error: bool) -> None:
         print(text, flush=True, file=sys.stderr if error else sys.stdout)
         if self._log_name is not None:
             if self._log is None:

@@ -456,6 +456,44 @@ def test_a_line_printed_while_the_run_log_closes_is_kept(tmp_path):
     assert lines == ["stopped at step 2", "SIGTERM after the run completed: ignored"]
 
 
+def test_a_line_printed_while_the_run_log_flushes_follows_the_line_in_progress(tmp_path, capsys):
+    """The same handler's line landing inside the closing line's own flush: a second write to
+    that buffered file raised "reentrant call" (exit 1 after "done"; seen in CI's suite)."""
+    from olmo_eqx.run_dir import RunDir
+
+    run = RunDir(tmp_path, log_name="train.log")
+    run.print("step 2/12")
+    log = run._log
+
+    class SignalInFlush:  # the log file, with a SIGTERM handler's line arriving inside a flush
+        flushing, signalled = False, False
+
+        def write(self, text):
+            if self.flushing:
+                raise RuntimeError("reentrant call inside <_io.BufferedWriter name='train.log'>")
+            log.write(text)
+
+        def flush(self):
+            self.flushing = True
+            try:
+                if not self.signalled:
+                    self.signalled = True
+                    run.print("SIGTERM after the run completed: ignored")
+                log.flush()
+            finally:
+                self.flushing = False
+
+        def close(self):
+            log.close()
+
+    run._log = SignalInFlush()
+    run.print("stopped at step 2 (trainer.stop_at)")
+    run.close()
+    expected = ["step 2/12", "stopped at step 2 (trainer.stop_at)", "SIGTERM after the run completed: ignored"]
+    assert (tmp_path / "train.log").read_text().splitlines() == expected
+    assert capsys.readouterr().out.splitlines() == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # 10. Data identity by content: a resume on changed data is refused naming the file
 
