@@ -57,6 +57,27 @@ def run8(mesh8, step8):
     return to_numpy(history), state
 
 
+def test_runs_differing_only_in_lr_warmup_or_length_share_one_compiled_step(mesh8, step8, run8):
+    """The jobs of an LR sweep, or a run made longer, reuse the step `step8` compiled: the
+    schedule's numbers are an input of the step, and the peak lr is no part of the program."""
+    state, batch = fresh_state(mesh8), make_batch(mesh8)
+    schedule = make_schedule(ScheduleConfig(name="constant", warmup_steps=5), 1e-4, 40)
+    traces = []
+
+    def count_traces(event, _seconds, **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traces.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count_traces)
+    try:
+        _, metrics = make_train_step(OptimConfig(lr=1e-4), schedule, mesh=mesh8)(state, batch)
+        lr = float(metrics["lr"])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count_traces)
+    assert lr == pytest.approx(1e-4 / 5)  # the first of 5 warmup updates to the new peak
+    assert traces == []
+
+
 def test_loss_falls(run8):
     history, state = run8
     losses = [float(m["loss"]) for m in history]

@@ -24,8 +24,9 @@ trainer never asks for k > T.
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import equinox as eqx
 import jax.numpy as jnp
-import optax
+import numpy as np
 from jaxtyping import Array, Float, Real
 
 ScheduleName = Literal["cosine", "linear", "constant", "wsd"]
@@ -55,8 +56,53 @@ def final_lr_ratio(config: ScheduleConfig) -> float:
     return float(config.final_lr_ratio if config.final_lr_ratio is not None else _DEFAULT_FINAL_RATIO[config.name])
 
 
-def make_schedule(config: ScheduleConfig, peak_lr: float, trainer_steps: Optional[int] = None) -> optax.Schedule:
-    """An optax schedule (update number k >= 1 -> float32 lr) following the module's convention."""
+class Schedule(eqx.Module):
+    """A learning-rate schedule as data: update number k >= 1 -> float32 lr (the module's convention).
+
+    Its numbers are arrays, not constants of the compiled step: the train step takes the schedule
+    as an argument, so runs that differ only in peak lr, warmup or length (an LR sweep, a resume
+    with a longer run) share one compiled step. Only the schedule's name shapes the program.
+    """
+
+    name: ScheduleName = eqx.field(static=True)
+    peak: Float[np.ndarray | Array, ""]
+    final: Float[np.ndarray | Array, ""]
+    # peak - final, rounded to float32 once from the float64 difference.
+    span: Float[np.ndarray | Array, ""]
+    warmup: Float[np.ndarray | Array, ""]
+    total: Float[np.ndarray | Array, ""]
+    # wsd only: the number of decaying updates at the end (0 for the other schedules).
+    decay: Float[np.ndarray | Array, ""]
+
+    # Elementwise: a scalar update number, or an array of them (a whole schedule at once).
+    def __call__(self, update: Real[Array, "*shape"] | int | float) -> Float[Array, "*shape"]:
+        k = jnp.asarray(update, jnp.float32)
+        peak, final, span = (jnp.asarray(x, jnp.float32) for x in (self.peak, self.final, self.span))
+        warmup, total, decay = (jnp.asarray(x, jnp.float32) for x in (self.warmup, self.total, self.decay))
+        if self.name == "wsd":
+            # With no decay the tail is 0 / 0; jnp.where drops it.
+            tail = final + span * jnp.clip(total - k, 0.0, decay) / decay
+            after = jnp.where((decay > 0) & (k >= total - decay), tail, peak)
+            # OLMo-core's WSD tests `k <= W` before its decay: warmup wins where they overlap.
+            in_warmup = k <= warmup
+        else:
+            # The fraction of the decay still ahead, (T - k) / (T - W), from integers: exact
+            # enough that the last updates of a decay to 0 keep float32's *relative* precision.
+            remaining = jnp.clip((total - k) / (total - warmup), 0.0, 1.0)
+            if self.name == "cosine":
+                shape = jnp.square(jnp.sin(0.5 * jnp.pi * remaining))  # = (1 + cos(pi (1 - remaining))) / 2
+            elif self.name == "linear":
+                shape = remaining
+            else:
+                shape = jnp.ones_like(remaining)
+            after = final + span * shape
+            in_warmup = k < warmup
+        warm = peak * k / jnp.maximum(warmup, 1.0)
+        return jnp.where(in_warmup, warm, after).astype(jnp.float32)
+
+
+def make_schedule(config: ScheduleConfig, peak_lr: float, trainer_steps: Optional[int] = None) -> Schedule:
+    """The `Schedule` of `config` peaking at `peak_lr`; refuses settings that make no schedule."""
     if config.name not in _DEFAULT_FINAL_RATIO:
         raise ValueError(f"schedule.name={config.name!r}; choose one of {sorted(_DEFAULT_FINAL_RATIO)}")
     total = config.total_steps if config.total_steps is not None else trainer_steps
@@ -71,32 +117,8 @@ def make_schedule(config: ScheduleConfig, peak_lr: float, trainer_steps: Optiona
     if config.name == "wsd" and not 0.0 <= config.decay_fraction <= 1.0:
         raise ValueError(f"schedule.decay_fraction={config.decay_fraction} must be in [0, 1]")
     peak, final = float(peak_lr), float(peak_lr) * final_lr_ratio(config)
-    decay = round(config.decay_fraction * total)  # wsd only; Python's round, as OLMo-core's
-
-    # Elementwise: a scalar update number, or an array of them (a whole schedule at once).
-    def schedule(update: Real[Array, "*shape"] | int | float) -> Float[Array, "*shape"]:
-        k = jnp.asarray(update, jnp.float32)
-        if config.name == "wsd":
-            if decay:
-                tail = final + (peak - final) * jnp.clip(total - k, 0.0, decay) / decay
-                after = jnp.where(k >= total - decay, tail, peak)
-            else:
-                after = jnp.full_like(k, peak)
-            # OLMo-core's WSD tests `k <= W` before its decay: warmup wins where they overlap.
-            in_warmup = k <= warmup
-        else:
-            # The fraction of the decay still ahead, (T - k) / (T - W), from integers: exact
-            # enough that the last updates of a decay to 0 keep float32's *relative* precision.
-            remaining = jnp.clip((total - k) / (total - warmup), 0.0, 1.0)
-            if config.name == "cosine":
-                shape = jnp.square(jnp.sin(0.5 * jnp.pi * remaining))  # = (1 + cos(pi (1 - remaining))) / 2
-            elif config.name == "linear":
-                shape = remaining
-            else:
-                shape = jnp.ones_like(remaining)
-            after = final + (peak - final) * shape
-            in_warmup = k < warmup
-        warm = peak * k / max(warmup, 1)
-        return jnp.where(in_warmup, warm, after).astype(jnp.float32)
-
-    return schedule
+    decay = round(config.decay_fraction * total) if config.name == "wsd" else 0  # Python's round, as OLMo-core's
+    # Host numbers (numpy), so that every process of a multi-process run passes the same values.
+    number = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return Schedule(config.name, number(peak), number(final), number(peak - final), number(warmup), number(total),
+                    number(decay))

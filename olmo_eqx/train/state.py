@@ -19,6 +19,7 @@ from ..models.base import CausalLM
 from ..models.registry import abstract_model, build_model
 from ..sharding import ShardingRules, train_state_shardings, with_shardings
 from .optim import OptimConfig, make_optimizer
+from .schedules import Schedule
 
 
 class TrainState(eqx.Module):
@@ -72,7 +73,7 @@ def sharded_abstract_train_state(
 def init_train_state(
     model_config: ModelConfig,
     optim_config: OptimConfig,
-    schedule: Optional[optax.Schedule],
+    schedule: Optional[Schedule],
     mesh: Mesh,
     rules: ShardingRules,
     key: PRNGKeyArray,

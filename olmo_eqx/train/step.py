@@ -7,6 +7,8 @@ AdamW, and the skip-step decision, all on the device with no host sync. Metrics 
 device scalars; the loop should fetch them one step late so the host never stalls the device.
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Optional, Union
 
@@ -22,6 +24,7 @@ from ..models.base import AUX_OBJECTIVE, CausalLM
 from ..sharding import ShardingRules, activation_sharding, model_shardings, train_state_shardings
 from .loss import LossSums, chunked_loss_sums, objective, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
+from .schedules import Schedule
 from .state import TrainState
 
 # A `TokenBatch`, or the dict {"input_ids": [B, L] int32, "loss_mask": [B, L]} it replaced.
@@ -134,7 +137,7 @@ def model_loss_sums_and_aux(model: CausalLM, batch: TokenBatch, constrain) -> tu
 
 def make_train_step(
     optim_config: OptimConfig,
-    schedule: optax.Schedule,
+    schedule: Schedule,
     *,
     mesh: Optional[Mesh] = None,
     rules: ShardingRules = ShardingRules(),
@@ -144,6 +147,11 @@ def make_train_step(
 
     `train_step.step` is the same step unjitted, as `step(batch, state)`: what the memory
     planner lowers for abstract shapes.
+
+    The schedule's numbers are an input of the compiled step, not constants in it: steps that
+    differ only in them (an LR sweep's jobs, a longer run) compile once, and within a process
+    `make_train_step` hands out the same compiled step for the same optimizer, mesh, rules and
+    micro-batching.
 
     batch: a `TokenBatch` (or {"input_ids": int32 [B, L], "loss_mask": float32 [B, L]}), global arrays (ideally
     laid out with `batch_sharding(mesh)`). With `mesh`, the output state is pinned to the
@@ -157,11 +165,27 @@ def make_train_step(
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+    # The peak lr reaches the step through the schedule only: it is no part of the program.
+    jitted, step = _compiled_train_step(dataclasses.replace(optim_config, lr=0.0), mesh, rules, micro_batches)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        # filter_jit donates every argument but the first: the batch and the schedule go first,
+        # so only the state is donated (callers may legitimately reuse a batch).
+        return jitted((batch, schedule), state)
+
+    train_step.step = lambda batch, state: step((batch, schedule), state)
+    return train_step
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules: ShardingRules, micro_batches: int):
+    """The jitted step `(batch, schedule), state -> (state, metrics)` and its unjitted body."""
     optimizer = make_optimizer(optim_config)
     z_weight = float(optim_config.z_loss_weight)
     constrain = activation_sharding(mesh, rules)
 
-    def step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
+    def step(inputs: tuple[Batch, Schedule], state: TrainState) -> tuple[TrainState, Metrics]:
+        batch, schedule = inputs
         batch = _check_batch(batch)
         count = target_count(batch.loss_mask)
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
@@ -233,15 +257,7 @@ def make_train_step(
         }
         return new_state, metrics
 
-    # filter_jit donates every argument but the first: put the batch first so only the state
-    # is donated (callers may legitimately reuse a batch).
-    jitted = eqx.filter_jit(step, donate="all-except-first")
-
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        return jitted(batch, state)
-
-    train_step.step = step
-    return train_step
+    return eqx.filter_jit(step, donate="all-except-first"), step
 
 
 def make_eval_step(mesh: Optional[Mesh] = None, rules: ShardingRules = ShardingRules()) -> Callable[[eqx.Module, Batch], LossSums]:
