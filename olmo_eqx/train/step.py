@@ -260,11 +260,13 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
     return eqx.filter_jit(step, donate="all-except-first"), step
 
 
+@functools.lru_cache(maxsize=16)
 def make_eval_step(mesh: Optional[Mesh] = None, rules: ShardingRules = ShardingRules()) -> Callable[[eqx.Module, Batch], LossSums]:
     """Build `eval_step(model, batch) -> LossSums` (ce sum, z sum, target count) for held-out loss.
 
     Sum the results over the held-out batches and divide ce by count for the mean loss. Like
     training, it never holds the whole logits, and with `mesh` pins activations by `rules`.
+    The same mesh and rules get the same jitted step (traced once per model and batch shape).
     """
     constrain = activation_sharding(mesh, rules)
 
