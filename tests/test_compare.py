@@ -14,7 +14,7 @@ from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.olmo3 import OLMo
 from olmo_eqx.sharding import MeshConfig, make_mesh, model_shardings
 
-from clihelp import olmo_eqx
+from clihelp import olmo_eqx, xla_flags
 from evalhelp import TOY_TASKS, tiny_run, write_toy_tasks
 
 CONFIG = ModelConfig(name="kl", d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, init_std=0.1)
@@ -64,7 +64,9 @@ def compare_run(tmp_path_factory):
     out = root / "compare"
     result = olmo_eqx("+stage=compare", f"checkpoint.load={run}/checkpoints/6", f"stage.against={hf_dir}",
                       "stage.name_a=step6", "stage.name_b=step12-hf", f"stage.tasks_dir={tasks}",
-                      f"stage.tasks={TOY_TASKS}", *COMPARE_SETTINGS, f"hydra.run.dir={out}")
+                      f"stage.tasks={TOY_TASKS}", *COMPARE_SETTINGS, f"hydra.run.dir={out}",
+                      # The devices of this test process: its eval must give the same bits.
+                      env={"XLA_FLAGS": xla_flags(8)})
     assert result.returncode == 0, result.stdout + result.stderr
     return run, tasks, out, result
 
