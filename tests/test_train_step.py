@@ -57,11 +57,11 @@ def run8(mesh8, step8):
     return to_numpy(history), state
 
 
-def test_runs_differing_only_in_lr_warmup_or_length_share_one_compiled_step(mesh8, step8, run8):
-    """The jobs of an LR sweep, or a run made longer, reuse the step `step8` compiled: the
-    schedule's numbers are an input of the step, and the peak lr is no part of the program."""
+def test_runs_differing_only_in_their_schedule_share_one_compiled_step(mesh8, step8, run8):
+    """The jobs of an LR sweep, a run made longer, or an anneal (linear, not constant) reuse the
+    step `step8` compiled: the schedule is an input of the step, and the peak lr no part of it."""
     state, batch = fresh_state(mesh8), make_batch(mesh8)
-    schedule = make_schedule(ScheduleConfig(name="constant", warmup_steps=5), 1e-4, 40)
+    schedule = make_schedule(ScheduleConfig(name="linear", warmup_steps=5), 1e-4, 40)
     traces = []
 
     def count_traces(event, _seconds, **_):

@@ -27,7 +27,7 @@ from typing import Literal, Optional
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Real
+from jaxtyping import Array, Float, Int, Real
 
 ScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 
@@ -56,15 +56,20 @@ def final_lr_ratio(config: ScheduleConfig) -> float:
     return float(config.final_lr_ratio if config.final_lr_ratio is not None else _DEFAULT_FINAL_RATIO[config.name])
 
 
+SCHEDULE_NAMES: tuple[ScheduleName, ...] = ("cosine", "linear", "constant", "wsd")
+
+
 class Schedule(eqx.Module):
     """A learning-rate schedule as data: update number k >= 1 -> float32 lr (the module's convention).
 
-    Its numbers are arrays, not constants of the compiled step: the train step takes the schedule
-    as an argument, so runs that differ only in peak lr, warmup or length (an LR sweep, a resume
-    with a longer run) share one compiled step. Only the schedule's name shapes the program.
+    Every field is an array, not a constant of the compiled step: the train step takes the
+    schedule as an argument, so runs that differ only in their schedule (an LR sweep, a longer
+    run, an anneal's linear decay after a cosine pretrain) share one compiled step. Each of the
+    four shapes is computed and the one `kind` names is selected: the same float32 operations as
+    computing that shape alone, so the same bits.
     """
 
-    name: ScheduleName = eqx.field(static=True)
+    kind: Int[np.ndarray | Array, ""]  # index into SCHEDULE_NAMES
     peak: Float[np.ndarray | Array, ""]
     final: Float[np.ndarray | Array, ""]
     # peak - final, rounded to float32 once from the float64 difference.
@@ -74,29 +79,31 @@ class Schedule(eqx.Module):
     # wsd only: the number of decaying updates at the end (0 for the other schedules).
     decay: Float[np.ndarray | Array, ""]
 
+    @property
+    def name(self) -> ScheduleName:
+        return SCHEDULE_NAMES[int(self.kind)]
+
     # Elementwise: a scalar update number, or an array of them (a whole schedule at once).
     def __call__(self, update: Real[Array, "*shape"] | int | float) -> Float[Array, "*shape"]:
         k = jnp.asarray(update, jnp.float32)
+        kind = jnp.asarray(self.kind, jnp.int32)
         peak, final, span = (jnp.asarray(x, jnp.float32) for x in (self.peak, self.final, self.span))
         warmup, total, decay = (jnp.asarray(x, jnp.float32) for x in (self.warmup, self.total, self.decay))
-        if self.name == "wsd":
-            # With no decay the tail is 0 / 0; jnp.where drops it.
-            tail = final + span * jnp.clip(total - k, 0.0, decay) / decay
-            after = jnp.where((decay > 0) & (k >= total - decay), tail, peak)
-            # OLMo-core's WSD tests `k <= W` before its decay: warmup wins where they overlap.
-            in_warmup = k <= warmup
-        else:
-            # The fraction of the decay still ahead, (T - k) / (T - W), from integers: exact
-            # enough that the last updates of a decay to 0 keep float32's *relative* precision.
-            remaining = jnp.clip((total - k) / (total - warmup), 0.0, 1.0)
-            if self.name == "cosine":
-                shape = jnp.square(jnp.sin(0.5 * jnp.pi * remaining))  # = (1 + cos(pi (1 - remaining))) / 2
-            elif self.name == "linear":
-                shape = remaining
-            else:
-                shape = jnp.ones_like(remaining)
-            after = final + span * shape
-            in_warmup = k < warmup
+        # cosine, linear, constant: warmup, then final + span * (the fraction of the decay
+        # still ahead, (T - k) / (T - W), from integers: exact enough that the last updates of a
+        # decay to 0 keep float32's *relative* precision, shaped by the schedule).
+        remaining = jnp.clip((total - k) / (total - warmup), 0.0, 1.0)
+        cosine = jnp.square(jnp.sin(0.5 * jnp.pi * remaining))  # = (1 + cos(pi (1 - remaining))) / 2
+        shape = jnp.where(kind == 0, cosine, jnp.where(kind == 1, remaining, jnp.ones_like(remaining)))
+        after = final + span * shape
+        # wsd: peak, then linear to final over the last `decay` updates (with none, the tail is
+        # 0 / 0, which jnp.where drops). OLMo-core's WSD tests `k <= W` before its decay: warmup
+        # wins where they overlap.
+        tail = final + span * jnp.clip(total - k, 0.0, decay) / decay
+        wsd = jnp.where((decay > 0) & (k >= total - decay), tail, peak)
+        is_wsd = kind == SCHEDULE_NAMES.index("wsd")
+        after = jnp.where(is_wsd, wsd, after)
+        in_warmup = jnp.where(is_wsd, k <= warmup, k < warmup)
         warm = peak * k / jnp.maximum(warmup, 1.0)
         return jnp.where(in_warmup, warm, after).astype(jnp.float32)
 
@@ -120,5 +127,5 @@ def make_schedule(config: ScheduleConfig, peak_lr: float, trainer_steps: Optiona
     decay = round(config.decay_fraction * total) if config.name == "wsd" else 0  # Python's round, as OLMo-core's
     # Host numbers (numpy), so that every process of a multi-process run passes the same values.
     number = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    return Schedule(config.name, number(peak), number(final), number(peak - final), number(warmup), number(total),
-                    number(decay))
+    return Schedule(np.asarray(SCHEDULE_NAMES.index(config.name), np.int32), number(peak), number(final),
+                    number(peak - final), number(warmup), number(total), number(decay))

@@ -148,8 +148,8 @@ def make_train_step(
     `train_step.step` is the same step unjitted, as `step(batch, state)`: what the memory
     planner lowers for abstract shapes.
 
-    The schedule's numbers are an input of the compiled step, not constants in it: steps that
-    differ only in them (an LR sweep's jobs, a longer run) compile once, and within a process
+    The schedule is an input of the compiled step, not constants in it: steps that differ only
+    in their schedule (an LR sweep's jobs, a longer run, an anneal) compile once, and within a process
     `make_train_step` hands out the same compiled step for the same optimizer, mesh, rules and
     micro-batching.
 
