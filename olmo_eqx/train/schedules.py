@@ -22,7 +22,7 @@ trainer never asks for k > T.
 """
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Real
 
 ScheduleName = Literal["cosine", "linear", "constant", "wsd"]
+# A schedule's `kind` in the compiled step: its index here.
+SCHEDULE_NAMES: tuple[ScheduleName, ...] = get_args(ScheduleName)
+COSINE, LINEAR, CONSTANT, WSD = range(len(SCHEDULE_NAMES))
 
 # final_lr_ratio when the config leaves it None: cosine to 0.1x peak (OLMo 3 stage 1), the
 # others to zero (OLMo 3 stages 2-3 decay linearly to 0); constant never decays.
@@ -56,9 +59,6 @@ def final_lr_ratio(config: ScheduleConfig) -> float:
     return float(config.final_lr_ratio if config.final_lr_ratio is not None else _DEFAULT_FINAL_RATIO[config.name])
 
 
-SCHEDULE_NAMES: tuple[ScheduleName, ...] = ("cosine", "linear", "constant", "wsd")
-
-
 class Schedule(eqx.Module):
     """A learning-rate schedule as data: update number k >= 1 -> float32 lr (the module's convention).
 
@@ -79,10 +79,6 @@ class Schedule(eqx.Module):
     # wsd only: the number of decaying updates at the end (0 for the other schedules).
     decay: Float[np.ndarray | Array, ""]
 
-    @property
-    def name(self) -> ScheduleName:
-        return SCHEDULE_NAMES[int(self.kind)]
-
     # Elementwise: a scalar update number, or an array of them (a whole schedule at once).
     def __call__(self, update: Real[Array, "*shape"] | int | float) -> Float[Array, "*shape"]:
         k = jnp.asarray(update, jnp.float32)
@@ -94,14 +90,14 @@ class Schedule(eqx.Module):
         # decay to 0 keep float32's *relative* precision, shaped by the schedule).
         remaining = jnp.clip((total - k) / (total - warmup), 0.0, 1.0)
         cosine = jnp.square(jnp.sin(0.5 * jnp.pi * remaining))  # = (1 + cos(pi (1 - remaining))) / 2
-        shape = jnp.where(kind == 0, cosine, jnp.where(kind == 1, remaining, jnp.ones_like(remaining)))
+        shape = jnp.where(kind == COSINE, cosine, jnp.where(kind == LINEAR, remaining, jnp.ones_like(remaining)))
         after = final + span * shape
         # wsd: peak, then linear to final over the last `decay` updates (with none, the tail is
         # 0 / 0, which jnp.where drops). OLMo-core's WSD tests `k <= W` before its decay: warmup
         # wins where they overlap.
         tail = final + span * jnp.clip(total - k, 0.0, decay) / decay
         wsd = jnp.where((decay > 0) & (k >= total - decay), tail, peak)
-        is_wsd = kind == SCHEDULE_NAMES.index("wsd")
+        is_wsd = kind == WSD
         after = jnp.where(is_wsd, wsd, after)
         in_warmup = jnp.where(is_wsd, k <= warmup, k < warmup)
         warm = peak * k / jnp.maximum(warmup, 1.0)
@@ -110,8 +106,8 @@ class Schedule(eqx.Module):
 
 def make_schedule(config: ScheduleConfig, peak_lr: float, trainer_steps: Optional[int] = None) -> Schedule:
     """The `Schedule` of `config` peaking at `peak_lr`; refuses settings that make no schedule."""
-    if config.name not in _DEFAULT_FINAL_RATIO:
-        raise ValueError(f"schedule.name={config.name!r}; choose one of {sorted(_DEFAULT_FINAL_RATIO)}")
+    if config.name not in SCHEDULE_NAMES:
+        raise ValueError(f"schedule.name={config.name!r}; choose one of {sorted(SCHEDULE_NAMES)}")
     total = config.total_steps if config.total_steps is not None else trainer_steps
     if total is None or total < 1:
         raise ValueError("schedule needs total_steps >= 1 (set schedule.total_steps or trainer.steps)")
