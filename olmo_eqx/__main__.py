@@ -14,14 +14,16 @@ composes the jobs without the schema's types, so that a value of the wrong type 
 job (refused by `to_config`) and not the whole sweep.
 """
 
+import atexit
 import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -148,5 +150,35 @@ def main() -> None:
         sys.exit(2)
 
 
+def exit_without_teardown(status: object = None) -> NoReturn:
+    """End the process as `sys.exit(status)` would, minus the interpreter's final teardown.
+
+    With JAX, Orbax and Hydra loaded, CPython's teardown (freeing every module and the XLA
+    client's objects) costs 0.2 to 0.5 s of CPU after the command's work is done: a quarter of a
+    refusal, a tenth of a short run, and the test suite starts about a hundred such commands. The
+    exit steps that matter still run, as Python's own exit runs them and in its order:
+    `threading._shutdown` (thread pools' exit hooks, then waiting for non-daemon threads), the
+    atexit handlers (JAX's distributed shutdown, logging's final flush), then stdout and stderr
+    flushed. (mypy ends its command the same way.)
+    """
+    if status is not None and not isinstance(status, int):
+        print(status, file=sys.stderr)  # sys.exit("message") prints the message, exit status 1
+        status = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+            pass
+    os._exit(status or 0)
+
+
 if __name__ == "__main__":
-    main()
+    # Only a command that finished or refused cleanly skips the teardown: an uncaught exception
+    # (a bug) and Ctrl-C keep Python's own exit and traceback.
+    try:
+        main()
+    except SystemExit as done:
+        exit_without_teardown(done.code)
+    exit_without_teardown(0)

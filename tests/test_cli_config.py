@@ -1,6 +1,8 @@
 """The command line and the structured config: listing stages, and bad configs failing early."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +18,28 @@ def test_no_stage_lists_installed_stages():
     assert result.returncode == 0, result.stderr
     assert "pretrain" in result.stdout
     assert "+stage=NAME" in result.stdout
+
+
+def test_the_command_skips_only_pythons_teardown(tmp_path):
+    """`exit_without_teardown` (the end of every `python -m olmo_eqx`) keeps what Python's exit
+    does: a thread pool's idle worker does not hang it, a non-daemon thread finishes its write,
+    atexit handlers run after it, buffered output is flushed, and the status is kept."""
+    script = f"""
+import atexit, concurrent.futures, pathlib, sys, threading, time
+from olmo_eqx.__main__ import exit_without_teardown
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(print, "pool ran", end="; ").result()
+late = pathlib.Path({str(tmp_path / "late")!r})
+threading.Thread(target=lambda: (time.sleep(0.3), late.write_text("written"))).start()
+atexit.register(lambda: print("atexit saw", late.read_text(), end=""))
+sys.stdout.write("buffered; ")
+exit_without_teardown(sys.argv[1] if sys.argv[1] == "message" else int(sys.argv[1]))
+"""
+    for status, code in (("0", 0), ("3", 3), ("message", 1)):
+        result = subprocess.run([sys.executable, "-c", script, status], capture_output=True, text=True, timeout=60)
+        assert result.returncode == code, result.stderr
+        assert result.stdout == "pool ran; buffered; atexit saw written", result.stdout
+        assert result.stderr == ("message\n" if status == "message" else ""), result.stderr
 
 
 @pytest.mark.parametrize(
