@@ -14,7 +14,8 @@ from typing import Optional
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, Int
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PyTree
 
 from .config import ModelConfig
 
@@ -29,6 +30,25 @@ AUX_OBJECTIVE = "aux_objective"
 def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
     """The `Constrain` of a single device or no mesh: leave layout to the compiler."""
     return x
+
+
+def over_layers(step: Callable, x, stacked: PyTree, *, scanned: bool):
+    """`jax.lax.scan(step, x, stacked)` over a stack of layers (or cycles of layers): a scan when
+    `scanned` (`ModelConfig.scanned`), else the same steps as a Python loop.
+
+    A model too small to scan is unrolled. An unrolled scan still pays for the scan machinery
+    every time it is traced: its own body jaxpr, its JVP and partial evaluation, the transposed
+    scan of the backward pass, and a one-trip while loop for a single cycle. A plain loop gives
+    the same operations without that machinery: the suite's and the command's few-layer models
+    trace and compile faster.
+    """
+    if scanned:
+        return jax.lax.scan(step, x, stacked)
+    outputs = []
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x, out = step(x, jax.tree.map(lambda a: a[i], stacked))
+        outputs.append(out)
+    return x, jax.tree.map(lambda *outs: jnp.stack(outs), *outputs)
 
 
 def axes(*names: str):

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import HEADS, KV_HEADS, AttentionMask, attend
-from .base import CausalLM, Constrain, unconstrained
+from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 from .olmo3 import _REMAT_POLICIES, HIDDEN, MLP, Rope, _truncated_normal, dense
@@ -188,7 +188,7 @@ class OLMo1(CausalLM):
         def layer(x, block: Block):
             return apply_block(block, x), None
 
-        x, _ = jax.lax.scan(layer, x, self.blocks, unroll=1 if config.scanned else config.n_layers)
+        x, _ = over_layers(layer, x, self.blocks, scanned=config.scanned)
         return self.final_norm(x)
 
     def logits(

@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import HEADS, KV_HEADS, AttentionMask, attend, sequence_sharded
-from .base import CausalLM, Constrain, unconstrained
+from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 
@@ -375,7 +375,7 @@ class OLMo(CausalLM):
 
         n_cycles = config.n_layers // config.cycle_length
         cycles = jax.tree.map(lambda a: a.reshape(n_cycles, config.cycle_length, *a.shape[1:]), self.blocks)
-        x, _ = jax.lax.scan(run_cycle, x, cycles, unroll=1 if config.scanned else n_cycles)
+        x, _ = over_layers(run_cycle, x, cycles, scanned=config.scanned)
         return self.final_norm(x)
 
     def logits(

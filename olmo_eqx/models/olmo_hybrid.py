@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import gated_deltanet
 from .attention import AttentionMask
-from .base import CausalLM, Constrain, unconstrained
+from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 from .olmo3 import _REMAT_POLICIES, HIDDEN, MLP, Block, RMSNorm, Rope, _truncated_normal, dense
@@ -269,8 +269,7 @@ class OLMoHybrid(CausalLM):
                 counts[kind] += 1
             return x, None
 
-        n_cycles = config.n_layers // config.cycle_length
-        x, _ = jax.lax.scan(run_cycle, x, self.cycles(), unroll=1 if config.scanned else n_cycles)
+        x, _ = over_layers(run_cycle, x, self.cycles(), scanned=config.scanned)
         return self.final_norm(x)
 
     def logits(

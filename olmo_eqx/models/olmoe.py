@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import AttentionMask
-from .base import AUX_OBJECTIVE, CausalLM, Constrain, unconstrained
+from .base import AUX_OBJECTIVE, CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 from .olmo3 import _REMAT_POLICIES, HIDDEN, Attention, RMSNorm, Rope, _truncated_normal, dense, swiglu
@@ -490,7 +490,7 @@ class MoELM(CausalLM):
         def layer(x, block: MoEBlock):
             return apply_block(block, x)
 
-        x, stats = jax.lax.scan(layer, x, self.blocks, unroll=1 if config.scanned else config.n_layers)
+        x, stats = over_layers(layer, x, self.blocks, scanned=config.scanned)
         return self.final_norm(x), self.aux_terms(stats)
 
     def aux_terms(self, stats: RouterStats) -> dict[str, Float[Array, ""]]:
