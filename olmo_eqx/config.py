@@ -394,19 +394,33 @@ def register_configs(typed: bool = True) -> None:
     would stop the whole sweep; untyped, that job's config reaches `to_config`, which refuses
     it in that job alone (unknown keys are still refused at once: the config stays closed).
     """
+    global _last_registration
+
     def node(value):
         return value if typed else OmegaConf.to_container(OmegaConf.structured(value))
 
+    # What the store would be filled from: registering the same again (every `compose_config`
+    # does) would only repeat 0.2 s of building the same nodes. A model added to the zoo, or a
+    # stage installed, since the last call is registered.
+    points = stage_entry_points()
+    filled_from = (typed, dict(ZOO), [(name, point.value) for name, point in points.items()])
+    store = ConfigStore.instance()
+    if _last_registration == (store, filled_from):
+        return
     # hydra.run.dir's default (conf/config.yaml): eval/compare/export output next to the model.
     OmegaConf.register_new_resolver("olmo_eqx_run_dir", default_run_dir, replace=True)
-    store = ConfigStore.instance()
     store.store(name="olmo_eqx_schema", node=node(schema_of(Config)))
     for name, model in ZOO.items():
         store.store(group="model", name=name, node=node(schema_node(model)))
-    for name in stage_entry_points():
+    for name in points:
         if not (CONF_DIR / "stage" / f"{name}.yaml").exists():
             config_class = stage_config_class(name)
             store.store(group="stage", name=name, node=node(schema_node(config_class())) if config_class else {})
+    _last_registration = (store, filled_from)
+
+
+# The store `register_configs` last filled, and what from.
+_last_registration: Optional[tuple] = None
 
 
 def compose_config(overrides: Sequence[str] = ()) -> Config:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from olmo_eqx.config import CONF_DIR, Config, ConfigError, build, compose_config, schema_of
-from olmo_eqx.models.zoo import get_model_config
+from olmo_eqx.models.zoo import ZOO, get_model_config
 from olmo_eqx.train.optim import OptimConfig
 
 from clihelp import TINY, olmo_eqx
@@ -91,6 +91,14 @@ def test_model_group_is_the_zoo_and_fields_override():
     assert compose_config(["model=olmo3_7b"]).model == get_model_config("olmo3_7b")
     config = compose_config(["model=olmo2_1b", "model.n_layers=8"])
     assert config.model == dataclasses.replace(get_model_config("olmo2_1b"), n_layers=8)
+
+
+def test_a_model_added_to_the_zoo_composes_after_earlier_composes(monkeypatch):
+    """`compose_config` registers the zoo once per process, and again when the zoo changed."""
+    compose_config(["model=olmo3_7b"])
+    mine = dataclasses.replace(get_model_config("olmo3_7b"), name="my_olmo3", n_layers=4)
+    monkeypatch.setitem(ZOO, "my_olmo3", mine)
+    assert compose_config(["model=my_olmo3"]).model == mine
 
 
 def test_post_init_and_cross_group_errors_name_the_keys():
