@@ -148,10 +148,12 @@ def test_logits_match_pytorch(pair):
     for chunk in (64, 16):
         got = np.asarray(our_logits(with_config(ours, gdn_chunk_size=chunk), jnp.asarray(tokens)))
         assert_as_close_as_hf_float32(got, hf32, hf64, f"{case.id} chunk {chunk}")
-    # These small models loop over their cycles in Python; large ones scan them.
-    assert not ours.config.scanned
-    scanned = np.asarray(our_logits(with_config(ours, scan_layers=True), jnp.asarray(tokens)))
-    assert_as_close_as_hf_float32(scanned, hf32, hf64, f"{case.id} with its cycles scanned")
+    # These small models loop over their cycles in Python; large ones scan them (the 8-layer case:
+    # two cycles).
+    if ours.config.n_layers // ours.config.cycle_length > 1:
+        assert not ours.config.scanned
+        scanned = np.asarray(our_logits(with_config(ours, scan_layers=True), jnp.asarray(tokens)))
+        assert_as_close_as_hf_float32(scanned, hf32, hf64, f"{case.id} with its cycles scanned")
 
 
 def test_packed_documents_match_pytorch_on_each_document(pair):
