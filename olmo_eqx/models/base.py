@@ -32,8 +32,8 @@ def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
     return x
 
 
-def over_layers(step: Callable, x, stacked: PyTree, *, scanned: bool):
-    """`jax.lax.scan(step, x, stacked)` over a stack of layers (or cycles of layers): a scan when
+def over_layers(body: Callable, x: PyTree, stacked: PyTree, *, scanned: bool) -> tuple[PyTree, PyTree]:
+    """`jax.lax.scan(body, x, stacked)` over a stack of layers (or cycles of layers): a scan when
     `scanned` (`ModelConfig.scanned`), else the same steps as a Python loop.
 
     A model too small to scan is unrolled. An unrolled scan still pays for the scan machinery
@@ -43,10 +43,10 @@ def over_layers(step: Callable, x, stacked: PyTree, *, scanned: bool):
     trace and compile faster.
     """
     if scanned:
-        return jax.lax.scan(step, x, stacked)
+        return jax.lax.scan(body, x, stacked)
     outputs = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x, out = step(x, jax.tree.map(lambda a: a[i], stacked))
+        x, out = body(x, jax.tree.map(lambda a: a[i], stacked))
         outputs.append(out)
     return x, jax.tree.map(lambda *outs: jnp.stack(outs), *outputs)
 
