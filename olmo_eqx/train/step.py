@@ -182,10 +182,13 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
     """The jitted step `(batch, schedule), state -> (state, metrics)` and its unjitted body."""
     optimizer = make_optimizer(optim_config)
     z_weight = float(optim_config.z_loss_weight)
-    constrain = activation_sharding(mesh, rules)
 
     def step(inputs: tuple[Batch, Schedule], state: TrainState) -> tuple[TrainState, Metrics]:
         batch, schedule = inputs
+        # Built when traced (once per program), not when memoized: every program this step
+        # makes, the jitted one or the planner's own lowering of `step`, pins what the layout
+        # rules say when it is traced.
+        constrain = activation_sharding(mesh, rules)
         batch = _check_batch(batch)
         count = target_count(batch.loss_mask)
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
