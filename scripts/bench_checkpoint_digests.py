@@ -66,12 +66,11 @@ def build_state(model: str):
     from olmo_eqx.models.zoo import get_model_config
     from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
     from olmo_eqx.train.optim import OptimConfig
-    from olmo_eqx.train.schedules import ScheduleConfig, make_schedule
     from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 
     config, optim = get_model_config(model), OptimConfig(lr=1e-3)
     mesh, rules = make_mesh(MeshConfig()), ShardingRules()
-    state = init_train_state(config, optim, make_schedule(ScheduleConfig(), optim.lr, 100), mesh, rules, jax.random.key(0))
+    state = init_train_state(config, optim, mesh, rules, jax.random.key(0))
     return with_moments(state), sharded_abstract_train_state(config, optim, mesh, rules)
 
 

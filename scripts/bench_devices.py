@@ -38,7 +38,7 @@ def worker(devices: int, batch: int, seq: int, steps: int) -> dict:
     config, optim = ModelConfig(**MODEL), OptimConfig(lr=1e-3)
     schedule = make_schedule(ScheduleConfig(name="constant"), optim.lr, 1000)
     mesh = make_mesh(MeshConfig())
-    state = init_train_state(config, optim, schedule, mesh, ShardingRules(), jax.random.key(0))
+    state = init_train_state(config, optim, mesh, ShardingRules(), jax.random.key(0))
     ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, config.vocab_size, dtype=jnp.int32)
     layout = batch_sharding(mesh)
     data = {"input_ids": jax.device_put(ids, layout), "loss_mask": jax.device_put(jnp.ones((batch, seq)), layout)}

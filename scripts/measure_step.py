@@ -104,7 +104,7 @@ def measure(overrides: list[str], steps: int) -> dict:
           f"arguments + outputs - aliased + temporaries {b['total'] / GIB:.2f} GiB, host {b['host'] / GIB:.2f} GiB",
           flush=True)
 
-    state = init_train_state(model, config.optim, None, step.mesh, step.rules, jax.random.key(0))
+    state = init_train_state(model, config.optim, step.mesh, step.rules, jax.random.key(0))
     arrays = eqx.filter(state, eqx.is_array)
     del state
     batch = _random_batch(config, batch_sharding(step.mesh, step.rules))

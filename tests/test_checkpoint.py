@@ -60,7 +60,7 @@ def reference(tmp_path_factory, mesh8):
     """An uninterrupted run of K + N steps that saved a checkpoint after step K on 8 devices."""
     directory = tmp_path_factory.mktemp("ckpt")
     step8 = make_train_step(OPTIM, SCHEDULE, mesh=mesh8)
-    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0))
     checkpointer = Checkpointer(directory, keep_last=3)
     losses = []
     for step in range(K + N):
@@ -148,7 +148,7 @@ SIGKILL_SCRIPT = textwrap.dedent(
     # ~150 MB of state: far more than can reach the disk between save() returning and the kill.
     config = ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=1024,
                          vocab_size=16384, padded_vocab_size=16384, sliding_window=16)
-    state = init_train_state(config, OptimConfig(), None, make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
+    state = init_train_state(config, OptimConfig(), make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
     checkpointer = Checkpointer(sys.argv[1])
     checkpointer.save(1, state)
     checkpointer.wait_until_finished()
@@ -189,7 +189,7 @@ def test_retention_keeps_last_and_every(tmp_path, monkeypatch, mesh8):
     monkeypatch.chdir(tmp_path)
     checkpointer = Checkpointer("relative/ckpt", keep_last=2, keep_every=4, async_save=False)
     assert checkpointer.directory == tmp_path / "relative" / "ckpt"  # made absolute
-    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0))
     for step in range(1, 10):
         checkpointer.save(step, state)
     checkpointer.wait_until_finished()
@@ -199,7 +199,7 @@ def test_retention_keeps_last_and_every(tmp_path, monkeypatch, mesh8):
 
 
 def test_retention_never_drops_the_last_verified_step_for_an_unverified_one(tmp_path, mesh8):
-    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0))
     checkpointer = Checkpointer(tmp_path, keep_last=2, async_save=False)
     checkpointer.save(1, state)
     checkpointer.save(2, state)
@@ -221,7 +221,7 @@ def test_a_reader_of_a_live_run_pins_its_step_or_falls_back_saying_so(tmp_path, 
     from olmo_eqx.warm_start import locate
 
     run_dir = tmp_path / "run"
-    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0))
     writer = Checkpointer(run_dir / "checkpoints", keep_last=1, async_save=False)
     writer.save(1, state)
     writer.save(2, state)
@@ -277,7 +277,7 @@ def test_retention_holds_the_pins_lock_where_no_reader_pinned_yet(tmp_path, mesh
     import olmo_eqx.checkpoint as checkpoint
     from olmo_eqx.checkpoint_pins import PIN_DIR
 
-    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0))
     writer = Checkpointer(tmp_path, keep_last=1, async_save=False)
     writer.save(1, state)
     assert not (tmp_path / PIN_DIR).exists()
@@ -309,7 +309,7 @@ LIVE_WRITER_SCRIPT = textwrap.dedent(
     from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
     from olmo_eqx.train.state import init_train_state
 
-    state = init_train_state(TINY, OPTIM, SCHEDULE, make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, make_mesh(MeshConfig()), ShardingRules(), jax.random.key(0))
     directory = Path(sys.argv[1])
     step = 0
     with Checkpointer(directory, keep_last=1, async_save=False) as writer:
@@ -346,7 +346,7 @@ def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
         deadline = time.time() + 120
         while not list((run_dir / "checkpoints").glob(f"*/{COMMIT_MARKER}")) and writer.poll() is None and time.time() < deadline:
             time.sleep(0.1)
-        expected = np.asarray(init_train_state(TINY, OPTIM, SCHEDULE, mesh8, ShardingRules(), jax.random.key(0)).model.embed)
+        expected = np.asarray(init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0)).model.embed)
         read = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -412,7 +412,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
         sharding = batch_sharding(mesh)
         return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in host.items()}
 
-    state = init_train_state(TINY, OPTIM, SCHEDULE, mesh, ShardingRules(), jax.random.key(0))
+    state = init_train_state(TINY, OPTIM, mesh, ShardingRules(), jax.random.key(0))
     step = make_train_step(OPTIM, SCHEDULE, mesh=mesh)
     for k in range(2):
         state, _ = step(state, global_batch(k))

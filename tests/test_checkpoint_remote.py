@@ -14,7 +14,7 @@ from olmo_eqx.checkpoint_remote import COMMITTED, SET_ASIDE_MARKER
 from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
 from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 
-from test_checkpoint import OPTIM, SCHEDULE, TINY
+from test_checkpoint import OPTIM, TINY
 
 BUCKET = "olmo-ckpt"
 
@@ -52,7 +52,7 @@ def largest_model_object(client, prefix, step):
 @pytest.fixture(scope="module")
 def state():
     mesh = make_mesh(MeshConfig())
-    return init_train_state(TINY, OPTIM, SCHEDULE, mesh, ShardingRules(), jax.random.key(0)), mesh
+    return init_train_state(TINY, OPTIM, mesh, ShardingRules(), jax.random.key(0)), mesh
 
 
 def test_save_verify_corrupt_fall_back_and_retention_on_s3(s3, state, tmp_path):

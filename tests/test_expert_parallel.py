@@ -40,7 +40,7 @@ def make_batch(mesh) -> TokenBatch:
 
 
 def fresh_state(mesh):
-    return init_train_state(CONFIG, OPTIM, SCHEDULE, mesh, ShardingRules(), jax.random.key(0))
+    return init_train_state(CONFIG, OPTIM, mesh, ShardingRules(), jax.random.key(0))
 
 
 def compiled_grads(model, batch, constrain):

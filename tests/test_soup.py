@@ -23,7 +23,7 @@ def save_random_checkpoint(directory, seed, overrides=()):
     """A freshly initialised nano state saved as step 3 (as a run's checkpoints dir)."""
     config = compose_config(["+stage=pretrain", *NANO, *overrides])
     mesh = make_mesh(config.mesh)
-    state = init_train_state(config.model, config.optim, None, mesh, ShardingRules(), jax.random.key(seed))
+    state = init_train_state(config.model, config.optim, mesh, ShardingRules(), jax.random.key(seed))
     with Checkpointer(directory) as checkpointer:
         checkpointer.save(3, state, config={})
     return jax.tree.map(np.asarray, state.model)

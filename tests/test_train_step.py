@@ -29,7 +29,7 @@ def make_batch(mesh, seed=1):
 
 
 def fresh_state(mesh):
-    return init_train_state(TINY, OPTIM, SCHEDULE, mesh, ShardingRules(), jax.random.key(0))
+    return init_train_state(TINY, OPTIM, mesh, ShardingRules(), jax.random.key(0))
 
 
 def to_numpy(tree):
@@ -184,7 +184,7 @@ def test_eval_step_sums(mesh8, run8):
 def test_bf16_params_keep_float32_moments():
     mesh1 = make_mesh(MeshConfig(), jax.devices()[:1])
     config = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
-    state = init_train_state(config, OPTIM, SCHEDULE, mesh1, ShardingRules(), jax.random.key(0))
+    state = init_train_state(config, OPTIM, mesh1, ShardingRules(), jax.random.key(0))
     state, metrics = make_train_step(OPTIM, SCHEDULE, mesh=mesh1)(state, make_batch(mesh1))
     assert np.isfinite(float(metrics["loss"]))
     assert {p.dtype for p in jax.tree.leaves(state.model)} == {jnp.dtype(jnp.bfloat16)}

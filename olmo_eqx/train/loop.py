@@ -99,8 +99,7 @@ InitState = Callable[[Config, Mesh, ShardingRules], TrainState]
 
 def random_init(config: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
     """Stage 1's start: weights from `trainer.seed`, a fresh optimiser."""
-    schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
-    return init_train_state(config.model, config.optim, schedule, mesh, rules, jax.random.key(config.trainer.seed))
+    return init_train_state(config.model, config.optim, mesh, rules, jax.random.key(config.trainer.seed))
 
 
 def _checkpoint_dir(config: Config, run_dir: Path) -> str:

@@ -5,7 +5,6 @@ this state in the same step directory.
 """
 
 import functools
-from typing import Optional
 
 import equinox as eqx
 import jax
@@ -19,7 +18,6 @@ from ..models.base import CausalLM
 from ..models.registry import abstract_model, build_model
 from ..sharding import ShardingRules, train_state_shardings, with_shardings
 from .optim import OptimConfig, make_optimizer
-from .schedules import Schedule
 
 
 class TrainState(eqx.Module):
@@ -73,17 +71,15 @@ def sharded_abstract_train_state(
 def init_train_state(
     model_config: ModelConfig,
     optim_config: OptimConfig,
-    schedule: Optional[Schedule],
     mesh: Mesh,
     rules: ShardingRules,
     key: PRNGKeyArray,
 ) -> TrainState:
     """Initialise model and optimiser directly in their shards (a 7B never sits on one device).
 
-    eval_shape -> shardings -> one jit with out_shardings. `schedule` is accepted for symmetry
-    with `make_train_step`; the learning rate is not part of the state.
+    eval_shape -> shardings -> one jit with out_shardings. The learning rate is not part of the
+    state: the train step takes the schedule.
     """
-    del schedule
     return _jitted_init(model_config, optim_config, mesh, rules)(key)
 
 
