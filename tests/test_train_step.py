@@ -59,8 +59,10 @@ def run8(mesh8, step8):
 
 def test_runs_differing_only_in_their_schedule_share_one_compiled_step(mesh8, step8, run8):
     """The jobs of an LR sweep, a run made longer, or an anneal (linear, not constant) reuse the
-    step `step8` compiled: the schedule is an input of the step, and the peak lr no part of it."""
-    state, batch = fresh_state(mesh8), make_batch(mesh8)
+    init and the step `step8` compiled: the schedule is an input of the step, and the peak lr no
+    part of either program."""
+    fresh_state(mesh8)  # the init program of OPTIM, traced before counting
+    batch = make_batch(mesh8)
     schedule = make_schedule(ScheduleConfig(name="linear", warmup_steps=5), 1e-4, 40)
     traces = []
 
@@ -70,6 +72,7 @@ def test_runs_differing_only_in_their_schedule_share_one_compiled_step(mesh8, st
 
     jax.monitoring.register_event_duration_secs_listener(count_traces)
     try:
+        state = init_train_state(TINY, OptimConfig(lr=1e-4), mesh8, ShardingRules(), jax.random.key(0))
         _, metrics = make_train_step(OptimConfig(lr=1e-4), schedule, mesh=mesh8)(state, batch)
         lr = float(metrics["lr"])
     finally:

@@ -6,7 +6,7 @@ from the train state's own step counter (update number state.step + 1, OLMo-core
 skipped steps still advance the schedule.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import equinox as eqx
@@ -43,6 +43,12 @@ class OptimConfig:
         if self.skip_step_min_history is not None:
             return max(2, self.skip_step_min_history)
         return max(2, max(2, self.skip_step_window // 2) - 1)
+
+    def without_peak_lr(self) -> "OptimConfig":
+        """These settings less the peak lr: all that a compiled program (init, train step)
+        depends on, the lr reaching the step through its schedule input. Programs memoized
+        on it are shared by runs that differ only in their lr."""
+        return replace(self, lr=0.0)
 
 def _to_float32(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

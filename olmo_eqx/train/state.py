@@ -80,7 +80,7 @@ def init_train_state(
     eval_shape -> shardings -> one jit with out_shardings. The learning rate is not part of the
     state: the train step takes the schedule.
     """
-    return _jitted_init(model_config, optim_config, mesh, rules)(key)
+    return _jitted_init(model_config, optim_config.without_peak_lr(), mesh, rules)(key)
 
 
 @functools.lru_cache(maxsize=8)

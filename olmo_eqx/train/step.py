@@ -7,7 +7,6 @@ AdamW, and the skip-step decision, all on the device with no host sync. Metrics 
 device scalars; the loop should fetch them one step late so the host never stalls the device.
 """
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Optional, Union
@@ -165,8 +164,7 @@ def make_train_step(
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1")
-    # The peak lr reaches the step through the schedule only: it is no part of the program.
-    jitted, step = _compiled_train_step(dataclasses.replace(optim_config, lr=0.0), mesh, rules, micro_batches)
+    jitted, step = _compiled_train_step(optim_config.without_peak_lr(), mesh, rules, micro_batches)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         # filter_jit donates every argument but the first: the batch and the schedule go first,
