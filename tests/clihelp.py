@@ -1,10 +1,10 @@
-"""Shared helpers of the CLI / stage / pretrain tests: run `python -m olmo_eqx` in a subprocess."""
+"""Shared helpers of the CLI / stage / pretrain tests: run `python -m olmo_eqx` in a process of its own."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
+
+from forked_command import run_command
 
 # The suite's tiny programs take longer to compile than to run, and compiling is most of the
 # suite's CPU time (a cold cache costs test_hybrid_parity + test_train_step + test_scale 160 s
@@ -41,19 +41,15 @@ TINY = [
 PLOT = "trainer.plot=true"
 
 
-def olmo_eqx(*args: str, env: Optional[dict] = None, timeout: float = 300, cwd: Optional[Path] = None):
-    """`python -m olmo_eqx ARGS` with the test environment; never raises.
+def olmo_eqx(
+    *args: str, env: Optional[dict] = None, timeout: float = 300, cwd: Optional[Path] = None, cold: bool = False
+):
+    """`python -m olmo_eqx ARGS` with the test environment, in a process of its own (forked from
+    a warm interpreter unless `cold`: tests/forked_command.py); never raises.
 
     One CPU device unless `env` sets XLA_FLAGS (`xla_flags(n)`): a CLI test is about the
     command, not sharding, and a tiny run on one device costs 30% less CPU than on eight
     (6.8 against 9.5 CPU-s for TINY with a warm cache), a third of the suite's CPU being runs.
     """
     full_env = {**os.environ, "XLA_FLAGS": xla_flags(1), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "olmo_eqx", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    return run_command(list(args), env=full_env, timeout=timeout, cwd=cwd, cold=cold)

@@ -20,6 +20,20 @@ def test_no_stage_lists_installed_stages():
     assert "+stage=NAME" in result.stdout
 
 
+@pytest.mark.parametrize(
+    "args",
+    [(), ("+stage=pretrain", "trainer.stepz=3"), ("+stage=anneal", "model=olmo3_nano", "--cfg", "job")],
+    ids=["listing", "refusal", "shown config"],
+)
+def test_a_forked_command_says_what_a_cold_one_says(tmp_path, args):
+    """The suite forks its `python -m olmo_eqx` runs from a warm interpreter
+    (tests/forked_command.py): same status, stdout and stderr as the command started cold."""
+    forked, cold = (olmo_eqx(*args, cwd=tmp_path, cold=cold) for cold in (False, True))
+    assert forked.returncode == cold.returncode and forked.stderr == cold.stderr, forked.stderr
+    assert forked.stdout == cold.stdout, forked.stdout
+    assert list(tmp_path.iterdir()) == []  # neither made a run dir (Hydra's would be under cwd)
+
+
 def test_the_command_skips_only_pythons_teardown(tmp_path):
     """`exit_without_teardown` (the end of every `python -m olmo_eqx`) keeps what Python's exit
     does: a thread pool's idle worker does not hang it, a non-daemon thread finishes its write,
