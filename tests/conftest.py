@@ -52,28 +52,3 @@ def pytest_configure(config):
     from olmo_eqx.train import mfu
 
     mfu.cpu_peak_flops(cache_when_busy=True)
-
-
-# The longest test files, longest first (seconds of one cold run on 2 cores, `--durations`):
-# pytest-xdist hands whole files to the two workers in collection order, so the long ones go
-# out first and the short ones fill in at the end; in alphabetical order test_trajectory_parity
-# and test_zoo_training came last and one worker idled up to 23 s while the other ran them.
-LONGEST_FIRST = [
-    "test_faults.py",  # 117 s
-    "test_pretrain.py",  # 64
-    "test_model_parity.py",  # 51
-    "test_checkpoint.py",  # 41
-    "test_hybrid_parity.py",  # 39
-    "test_tpu_compile.py",  # 38
-    "test_lm_eval.py",  # 33
-    "test_trajectory_parity.py",  # 32
-    "test_checkpoint_remote.py",  # 29
-    "test_anneal.py",  # 27
-    "test_compare.py",  # 25
-    "test_zoo_training.py",  # 23
-]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
