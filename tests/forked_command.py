@@ -1,7 +1,7 @@
 """`python -m olmo_eqx` for the suite, forked from a warm interpreter instead of started cold.
 
-About a hundred of the suite's tests run the command, and each cold start paid for importing
-JAX, Orbax, Hydra and the project (1.3 s of CPU) before doing its few seconds of work. Here a
+About sixty of the suite's commands come through `clihelp.olmo_eqx`, and each cold start paid
+for importing JAX, Orbax, Hydra and the project (1.3 s of CPU) before its few seconds of work. Here a
 server process (multiprocessing's forkserver, one per xdist worker) imports all of that once,
 without starting a JAX backend, and forks a fresh child per command. The child is a process of
 its own as before: its own environment, working directory, XLA devices (XLA_FLAGS is read when
