@@ -134,13 +134,14 @@ def spare_imported_objects_from_the_collector() -> None:
     """Keep Python's cyclic garbage collector off the objects the command's imports made.
 
     Tracing a step makes container objects fast enough to start a collection every 700 of
-    them (Python's default), and a collection of the older generations walks the 160,000
-    objects that JAX, Orbax, Hydra and the stages left behind, which live as long as the
-    process: 7% of the CPU of compiling and running an 8-layer olmo3_tiny step was the
-    collector (perf). Those objects are frozen (`gc.freeze`: never walked again), and
-    collections start after 50,000 new objects: tracing that step takes 0.76 s instead of
-    0.89 to 1.01 s, and a 12-step nano run 4.7 CPU-s instead of 5.1 (docs/performance.md).
-    Garbage cycles are still freed, a little later.
+    them (Python's default), and a collection of the older generations walks the 140,000
+    objects that the imports of JAX, Equinox, Hydra and the project left behind, which live
+    as long as the process: 7% of the CPU of compiling and running an 8-layer olmo3_tiny step
+    was the collector (perf). Those objects are frozen (`gc.freeze`: never walked again;
+    modules imported later, such as Orbax's, are not), and collections start after 50,000 new
+    objects: tracing that step takes 0.76 s instead of 0.89 to 1.01 s, and a 12-step nano run
+    4.7 CPU-s instead of 5.1 (docs/performance.md). Garbage cycles are still freed, a little
+    later.
     """
     gc.freeze()
     gc.set_threshold(50_000, 50, 50)

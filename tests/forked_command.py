@@ -111,15 +111,16 @@ def run_command(
     `capture_output=True, text=True`: forked from the server where it can be, else (or when
     `cold`) started cold."""
     command = [sys.executable, "-m", "olmo_eqx", *args]
+    child_env = _with_huge_pages(env)
     cold = cold or os.environ.get("OLMO_EQX_TEST_FORK") == "0"
-    if cold or not _forkable(_with_huge_pages(env), _start_server()):
+    if cold or not _forkable(child_env, _start_server()):
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="olmo_eqx-command-") as scratch:
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
         out.touch()
         err.touch()
         child = _server.Process(
-            target=_child, args=(args, _with_huge_pages(env), None if cwd is None else str(cwd), str(out), str(err))
+            target=_child, args=(args, child_env, None if cwd is None else str(cwd), str(out), str(err))
         )
         child.start()
         child.join(timeout)

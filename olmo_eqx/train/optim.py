@@ -50,6 +50,7 @@ class OptimConfig:
         on it are shared by runs that differ only in their lr."""
         return replace(self, lr=0.0)
 
+
 def _to_float32(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
