@@ -8,6 +8,9 @@ prints wall and CPU seconds; compare flag sets one after another on idle cores:
         python scripts/bench_suite_compile.py
     XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
         --xla_cpu_use_fusion_emitters=false" python scripts/bench_suite_compile.py
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
+        --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1" \
+        python scripts/bench_suite_compile.py
 """
 
 import os
