@@ -2,7 +2,7 @@
 
     python scripts/measure_step.py model=olmo3_600m model.compute_dtype=bfloat16 \\
         data.sequence_length=4096 data.global_batch_size=16 trainer.micro_batches=2 \\
-        [--plan plan.json] [--steps 8] [--json measured.json]
+        [--plan plan.json] [--steps 8] [--json measured.json] [--profile 3]
 
 takes the overrides `python -m olmo_eqx.plan` takes, compiles the same train step with the
 planner's own code (`olmo_eqx.plan.compile_train_step`) for every local device (`jax.devices()`:
@@ -14,6 +14,10 @@ executable on random tokens. It prints:
 - the compile time, each step's time (each ends on a host fetch of its loss), the median,
   tokens/s and MFU against the device's bf16 peak (`olmo_eqx.train.mfu`), with the model FLOPs
   the planner counts;
+- with `--profile N`: N more steps traced with `jax.profiler`, and the device time of the
+  traced XLA ops per step, grouped by what they are in the model (projections, attention
+  kernel, loss/head, optimizer update, copies/transposes, collectives, norms/elementwise),
+  then the top ops with where they come from (`olmo_eqx.train.profile`);
 - with `--plan` (the planner's `+plan.json=` for the same overrides, made where no chip is, e.g.
   `+plan.target=tpu:v5e:1x1`): planned beside measured, with ratios.
 
@@ -35,6 +39,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=8, help="timed steps after the first (default 8)")
     parser.add_argument("--plan", default="", help="the planner's JSON (+plan.json=) for the same overrides")
     parser.add_argument("--json", default="", help="also write the measured figures here")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="then trace this many more steps (jax.profiler) and print the top XLA ops by device time, "
+        "grouped by what they are in the model",
+    )
+    parser.add_argument("--keep-trace", default="", help="with --profile: also keep the trace's .xplane.pb, gzipped, at this path")
     return parser.parse_known_args(argv)
 
 
@@ -55,7 +65,7 @@ def _random_batch(config, layout) -> dict:
     return {key: jax.device_put(value, layout) for key, value in batch.items()}
 
 
-def measure(overrides: list[str], steps: int) -> dict:
+def measure(overrides: list[str], steps: int, profile_steps: int = 0, keep_trace: str = "") -> dict:
     """Compile and run the planned step on the local devices; the figures as a dict."""
     import equinox as eqx
     import jax
@@ -137,9 +147,41 @@ def measure(overrides: list[str], steps: int) -> dict:
     if result["peak_bytes_in_use"]:
         line += f" | peak in use {result['peak_bytes_in_use'] / GIB:.2f} of {(result['bytes_limit'] or 0) / GIB:.2f} GiB"
     print(line, flush=True)
+    if profile_steps:
+        arrays, result["profile"] = _profile(step, batch, arrays, profile_steps, keep_trace)
+        print(result["profile"], flush=True)
     if not (losses[-1] == losses[-1] and losses[-1] < first_loss):
         raise SystemExit(f"loss went from {first_loss:.4f} to {losses[-1]:.4f}: not finite or not falling")
     return result
+
+
+def _profile(step, batch, arrays, steps: int, keep_trace: str = "") -> tuple[object, str]:
+    """Trace `steps` more steps; the ops' device time by category and the top ops, as text."""
+    import gzip
+    import os
+    import shutil
+    import tempfile
+
+    import jax
+
+    from olmo_eqx.train.profile import format_profile, leaf_op_names, traced_op_times
+
+    with tempfile.TemporaryDirectory() as directory:
+        jax.profiler.start_trace(directory)
+        for _ in range(steps):
+            arrays, metrics = step.executable(batch, arrays)
+        jax.block_until_ready((arrays, metrics))
+        jax.profiler.stop_trace()
+        xplanes = sorted(Path(directory).rglob("*.xplane.pb"), key=os.path.getmtime)
+        if not xplanes:
+            return arrays, "profile: the trace wrote no .xplane.pb"
+        op_times = traced_op_times(xplanes[-1], leaf_op_names(step.hlo))
+        if keep_trace:  # gzipped: a TPU trace of a few steps is tens of MB
+            with open(xplanes[-1], "rb") as source, gzip.open(keep_trace, "wb") as kept:
+                shutil.copyfileobj(source, kept)
+    if not op_times:
+        return arrays, "profile: no op events in the trace (on CPU set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true)"
+    return arrays, format_profile(op_times, step.hlo, steps)
 
 
 def compare(planned: dict, measured: dict) -> str:
@@ -167,7 +209,7 @@ def compare(planned: dict, measured: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
-    measured = measure(overrides, args.steps)
+    measured = measure(overrides, args.steps, args.profile, args.keep_trace)
     if args.json:
         Path(args.json).write_text(json.dumps(measured, indent=2))
     if args.plan:
