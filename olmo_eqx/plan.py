@@ -638,7 +638,9 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
         run(changes, micro)
     best = _best(rows)
     if best and config.data.sequence_length >= 1024:
-        base = best["attention_block_size"] or 512
+        from .models.attention import DEFAULT_BLOCK, SPLASH_BLOCK
+
+        base = best["attention_block_size"] or (SPLASH_BLOCK if target.platform == "tpu" else DEFAULT_BLOCK)
         for block in (2 * base, base // 2):
             if tried >= max_layouts or block < 128 or block > config.data.sequence_length:
                 continue

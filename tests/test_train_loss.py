@@ -51,3 +51,37 @@ def test_bf16_logits_are_summed_in_float32():
     logits = jax.random.normal(jax.random.key(2), (2, 6, 5)).astype(jnp.bfloat16)
     sums = loss_sums(logits, jnp.zeros((2, 6), jnp.int32), jnp.ones((2, 6)))
     assert sums.ce.dtype == sums.z.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_fused_head_loss_equals_autodiff_of_the_chunked_loss(chunk_size):
+    """The training head (gradient formed with the logits, `fused_head_loss`) against autodiff
+    of `chunked_loss_sums`: same sums, same gradients of ce + z_w * z, with a padded vocabulary,
+    masked targets and a sequence that is not a whole number of chunks (float32)."""
+    from olmo_eqx.train.loss import chunked_loss_sums, fused_head_loss
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+    hidden = jax.random.normal(k1, (2, 11, 8))
+    head = 0.5 * jax.random.normal(k2, (8, 16))  # 13 real columns + 3 padding
+    ids = jax.random.randint(k3, (2, 11), 0, 13)
+    mask = (jax.random.uniform(k4, (2, 11)) > 0.2).astype(jnp.float32)
+    z_w = 0.1  # large, so that a wrong z-loss gradient shows
+    kw = dict(vocab_size=13, chunk_size=chunk_size)
+
+    def reference(hidden, head):
+        sums = chunked_loss_sums(hidden, head, ids, mask, **kw)
+        return sums.ce + z_w * sums.z, sums
+
+    def fused(hidden, head):
+        return fused_head_loss(hidden, head, ids, mask, z_loss_weight=z_w, **kw)
+
+    (want, want_sums), want_grads = jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)(hidden, head)
+    (got, got_sums), got_grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1), has_aux=True))(hidden, head)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(got_sums, want_sums):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    # The sums are metrics: no gradient flows through them.
+    grad_of_ce = jax.grad(lambda h: fused(h, head)[1].ce)(hidden)
+    assert not np.any(np.asarray(grad_of_ce))

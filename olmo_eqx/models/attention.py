@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 DEFAULT_BLOCK = 512
+# Splash's block on a TPU (capped at the padded sequence): at 16 x 4096 tokens on a v5e,
+# 1024-blocks beat 512 for both OLMo 3 190M and 600M (docs/performance.md, "Speed on TPU").
+SPLASH_BLOCK = 1024
 # On CPU small blocks keep a block pair's scores in cache: attention's forward and backward
 # at the 12.6M benchmark model's shapes (seq 256, 4 heads of 64) take 31 ms with one 256-block,
 # 17 ms with 128-blocks and 12 ms with 64-blocks (PyTorch's sdpa: 9 ms); 32-blocks are slower.
@@ -399,7 +402,7 @@ def attend(
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Causal attention over [batch, seq, heads, head_dim] by the named implementation.
 
-    `block_size` (blockwise and splash kernels; None: `DEFAULT_BLOCK` for splash, else
+    `block_size` (blockwise and splash kernels; None: `SPLASH_BLOCK` for splash, else
     `default_block_size` of the target platform) is the query and key block.
 
     `constrain` is the model's activation sharding (`olmo_eqx.sharding.ActivationSharding`).
@@ -412,7 +415,7 @@ def attend(
     implementation = resolve_implementation(implementation, q.dtype, platform)
     # Splash tiles in multiples of 128 lanes whatever the platform; the blockwise kernel's
     # best block depends on it (cache-sized on CPU).
-    block_size = block_size or (DEFAULT_BLOCK if implementation == "splash" else default_block_size(platform))
+    block_size = block_size or (SPLASH_BLOCK if implementation == "splash" else default_block_size(platform))
     if sequence_sharded(constrain, q.shape):
         if implementation == "splash":
             from .splash import context_parallel_splash  # imports Pallas

@@ -9,7 +9,7 @@ Architectures register in `olmo_eqx.models.registry`.
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Optional
 
 import equinox as eqx
@@ -51,9 +51,14 @@ def over_layers(body: Callable, x: PyTree, stacked: PyTree, *, scanned: bool) ->
     return x, jax.tree.map(lambda *outs: jnp.stack(outs), *outputs)
 
 
-def axes(*names: str):
-    """A module field holding an array whose dimensions have these logical names."""
-    return eqx.field(metadata={"axes": names})
+def axes(*names: str, matmul: bool = False):
+    """A module field holding an array whose dimensions have these logical names.
+
+    `matmul=True` marks a weight the model only ever uses cast to its compute dtype (as a
+    matmul operand): the train step casts such weights once per step, not once per use
+    (`compute_weights`).
+    """
+    return eqx.field(metadata={"axes": names, "matmul": matmul})
 
 
 class LogicalAxes(tuple):
@@ -115,6 +120,39 @@ class CausalLM(eqx.Module):
         return self.logits(hidden, constrain=constrain)
 
 
+def _field_metadata(model: eqx.Module, path) -> tuple[Mapping, bool]:
+    """The metadata of the field at `path` and whether a field on the way is `stacked`."""
+    node, stacked, metadata = model, False, {}
+    for entry in path:
+        if isinstance(entry, jax.tree_util.SequenceKey):  # a tuple of sub-modules
+            node = node[entry.idx]
+            continue
+        field = next(f for f in dataclasses.fields(node) if f.name == entry.name)
+        metadata = field.metadata
+        stacked = stacked or metadata.get("stacked", False)
+        node = getattr(node, entry.name)
+    return metadata, stacked
+
+
+def compute_weights(params: PyTree, model: eqx.Module) -> PyTree:
+    """`params` (the model's arrays, as `eqx.partition` gives them) with the weights marked
+    `axes(..., matmul=True)` cast to the compute dtype.
+
+    Why: with float32 master weights each use casts again, so a step of M micro-batches reads
+    every float32 weight M times forward, again when remat recomputes, and again backward.
+    Cast once per step, the micro-batches read bf16 copies. The numerics are the same: such a
+    weight is only ever used cast, and the cast's gradient is the same conversion either way.
+    """
+    dtype = jnp.dtype(model.config.compute_dtype)
+
+    def cast(path, leaf):
+        if leaf is None or not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype == dtype:
+            return leaf
+        return leaf.astype(dtype) if _field_metadata(model, path)[0].get("matmul", False) else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def logical_axes(model: eqx.Module) -> eqx.Module:
     """A pytree shaped like `model` whose leaves are the `LogicalAxes` of each array.
 
@@ -123,15 +161,7 @@ def logical_axes(model: eqx.Module) -> eqx.Module:
     """
 
     def axes_of(path, _leaf) -> LogicalAxes:
-        node, stacked, metadata = model, False, {}
-        for entry in path:
-            if isinstance(entry, jax.tree_util.SequenceKey):  # a tuple of sub-modules
-                node = node[entry.idx]
-                continue
-            field = next(f for f in dataclasses.fields(node) if f.name == entry.name)
-            metadata = field.metadata
-            stacked = stacked or metadata.get("stacked", False)
-            node = getattr(node, entry.name)
+        metadata, stacked = _field_metadata(model, path)
         return LogicalAxes((("layers",) if stacked else ()) + tuple(metadata["axes"]))
 
     return jax.tree_util.tree_map_with_path(axes_of, model)

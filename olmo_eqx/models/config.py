@@ -17,7 +17,10 @@ MoEImpl = Literal["dropless", "dense"]
 # expert's device in fixed worst-case slots; "all_gather" gathers the tokens of the expert
 # group and reduce-scatters the results (fewer bytes when min(k, experts per device) > 1).
 MoEExchange = Literal["all_to_all", "all_gather"]
-RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "offload_projections"]
+# Up to this many layers, `scan_layers: null` unrolls the layers of a TPU program.
+TPU_UNROLLED_LAYERS = 16
+
+RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_qkv", "offload_projections"]
 DType = Literal["float32", "bfloat16"]
 LayerKind = Literal["gdn", "attention"]
 
@@ -80,7 +83,8 @@ class ModelConfig:
     loss_chunk_size: int = 1024
     # Layers run as a scan over attention cycles (one compiled cycle: compile time and HLO
     # independent of depth, what large models need) or unrolled (no loop: about 6% faster
-    # steps on CPU for small models). None: unrolled up to 2 cycles (8 OLMo 3 layers).
+    # steps on CPU for small models, 6-7% on a TPU). None: unrolled up to 2 cycles (8 OLMo 3
+    # layers), on a TPU up to 16 layers (`scanned_on`).
     scan_layers: Optional[bool] = None
     # Mixture of experts (architecture "olmoe" / "flex_olmo"; dense models leave these alone).
     # Every layer's MLP becomes `n_experts` SwiGLU experts of width `mlp_hidden`, of which a
@@ -174,6 +178,15 @@ class ModelConfig:
         if self.scan_layers is not None:
             return self.scan_layers
         return self.n_layers // self.cycle_length > 2
+
+    def scanned_on(self, platform: str) -> bool:
+        """`scanned` for a program compiled for `platform`: on a TPU, models of up to
+        `TPU_UNROLLED_LAYERS` layers run unrolled (measured on a v5e at 16 x 4096 tokens,
+        together with 1024-token splash blocks: olmo3_190m 41.9K -> 44.8K tok/s, olmo3_600m
+        18.9K -> 20.1K; compile 28 -> 49-61 s; docs/performance.md "Speed on TPU")."""
+        if self.scan_layers is None and platform == "tpu":
+            return self.n_layers > TPU_UNROLLED_LAYERS
+        return self.scanned
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:

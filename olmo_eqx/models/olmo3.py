@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import HEADS, KV_HEADS, AttentionMask, attend, sequence_sharded
+from .attention import HEADS, KV_HEADS, AttentionMask, attend, sequence_sharded, target_platform
 from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
@@ -141,10 +141,10 @@ class Rope(eqx.Module):
 
 
 class Attention(eqx.Module):
-    q_proj: Float[Array, "d_model q_features"] = _axes("embed", "heads")
-    k_proj: Float[Array, "d_model kv_features"] = _axes("embed", "kv_heads")
-    v_proj: Float[Array, "d_model kv_features"] = _axes("embed", "kv_heads")
-    o_proj: Float[Array, "q_features d_model"] = _axes("heads", "embed")
+    q_proj: Float[Array, "d_model q_features"] = _axes("embed", "heads", matmul=True)
+    k_proj: Float[Array, "d_model kv_features"] = _axes("embed", "kv_heads", matmul=True)
+    v_proj: Float[Array, "d_model kv_features"] = _axes("embed", "kv_heads", matmul=True)
+    o_proj: Float[Array, "q_features d_model"] = _axes("heads", "embed", matmul=True)
     # QK-norm normalises the whole projection (all heads together), not each head.
     q_norm: RMSNorm
     k_norm: RMSNorm
@@ -235,9 +235,9 @@ swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 class MLP(eqx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    gate_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp")
-    up_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp")
-    down_proj: Float[Array, "hidden d_model"] = _axes("mlp", "embed")
+    gate_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp", matmul=True)
+    up_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp", matmul=True)
+    down_proj: Float[Array, "hidden d_model"] = _axes("mlp", "embed", matmul=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         dtype = jnp.dtype(config.param_dtype)
@@ -304,6 +304,9 @@ _REMAT_POLICIES = {
     # Keep what attention needs (q/k/v and its context, so the attention kernel never runs
     # again) and recompute the MLP, whose gate/up outputs are the widest activations.
     "save_attention": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj", "attention_context"),
+    # Keep only the q/k/v projections (MaxText's `save_qkv_proj`, its fastest OLMo 3 layout on
+    # a v5e): the backward pass recomputes attention from them, and the MLP.
+    "save_qkv": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
     # save_projections' activations, parked in host memory between the passes (TPU, GPU):
     # HBM holds one block's at a time, the host link carries them.
     "offload_projections": jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -322,7 +325,7 @@ class OLMo(CausalLM):
     # One Block whose every array has a leading layer axis (n_layers, ...).
     blocks: Block = eqx.field(metadata={"stacked": True})
     final_norm: RMSNorm
-    lm_head: Float[Array, "d_model padded_vocab"] = _axes("embed", "vocab")
+    lm_head: Float[Array, "d_model padded_vocab"] = _axes("embed", "vocab", matmul=True)
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
@@ -375,7 +378,7 @@ class OLMo(CausalLM):
 
         n_cycles = config.n_layers // config.cycle_length
         cycles = jax.tree.map(lambda a: a.reshape(n_cycles, config.cycle_length, *a.shape[1:]), self.blocks)
-        x, _ = over_layers(run_cycle, x, cycles, scanned=config.scanned)
+        x, _ = over_layers(run_cycle, x, cycles, scanned=config.scanned_on(target_platform(getattr(constrain, "mesh", None))))
         return self.final_norm(x)
 
     def logits(

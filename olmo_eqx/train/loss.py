@@ -9,6 +9,7 @@ their global count. With gradient accumulation each micro-batch contributes
 `sums / global_count`, and the micro-batch gradients add up to exactly the full-batch one.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -48,7 +49,9 @@ def _shifted_targets(
     return labels, weights
 
 
-def _sums(logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq"], weights: Float[Array, "batch seq"]) -> LossSums:
+def _sums_and_lse(
+    logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq"], weights: Float[Array, "batch seq"]
+) -> tuple[LossSums, Float[Array, "batch seq"]]:
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
@@ -56,7 +59,26 @@ def _sums(logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq
     counted = weights > 0
     ce = jnp.where(counted, (lse - label_logit) * weights, 0.0)
     z = jnp.where(counted, lse * lse * weights, 0.0)
-    return LossSums(ce=jnp.sum(ce), z=jnp.sum(z), count=jnp.sum(weights))
+    return LossSums(ce=jnp.sum(ce), z=jnp.sum(z), count=jnp.sum(weights)), lse
+
+
+def _sums(logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq"], weights: Float[Array, "batch seq"]) -> LossSums:
+    return _sums_and_lse(logits, labels, weights)[0]
+
+
+def _head_logits(h: Array, head: Array, vocab_size: int, constrain: Constrain) -> Array:
+    """float32 logits of `h @ head`, the padded vocabulary's columns at -inf."""
+    logits = constrain(dense(h, head, constrain, out_dtype=jnp.float32), ("batch", "sequence", "act_vocab"))
+    if vocab_size < logits.shape[-1]:  # padding columns never enter a prediction
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+    return logits
+
+
+def _chunks(x: Array, n_chunks: int, size: int) -> Array:
+    """[batch, seq, ...] -> [n_chunks, batch, size, ...], zero-padded at the end."""
+    batch, length = x.shape[:2]
+    pad = [(0, 0), (0, n_chunks * size - length)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.moveaxis(jnp.pad(x, pad).reshape(batch, n_chunks, size, *x.shape[2:]), 1, 0)
 
 
 def loss_sums(
@@ -91,28 +113,94 @@ def chunked_loss_sums(
     head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
 
     def chunk_sums(h, labels, weights) -> LossSums:
-        logits = constrain(dense(h, head, constrain, out_dtype=jnp.float32), ("batch", "sequence", "act_vocab"))
-        if vocab_size < logits.shape[-1]:  # padding columns never enter a prediction
-            logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
-        return _sums(logits, labels, weights)
+        return _sums(_head_logits(h, head, vocab_size, constrain), labels, weights)
 
-    batch, length = input_ids.shape
+    length = input_ids.shape[1]
     if length <= chunk_size:  # one chunk: nothing to save by recomputing
         return chunk_sums(hidden, labels, weights)
     n_chunks = -(-length // chunk_size)
-
-    def chunks(x: Array) -> Array:  # [batch, seq, ...] -> [n_chunks, batch, chunk, ...], zero-padded
-        pad = [(0, 0), (0, n_chunks * chunk_size - length)] + [(0, 0)] * (x.ndim - 2)
-        return jnp.moveaxis(jnp.pad(x, pad).reshape(batch, n_chunks, chunk_size, *x.shape[2:]), 1, 0)
 
     def add_chunk(total: LossSums, xs) -> tuple[LossSums, None]:
         return LossSums(*(a + b for a, b in zip(total, jax.checkpoint(chunk_sums)(*xs)))), None
 
     zero = LossSums(*(jnp.zeros((), jnp.float32),) * 3)
-    total, _ = jax.lax.scan(add_chunk, zero, (chunks(hidden), chunks(labels), chunks(weights)))
+    total, _ = jax.lax.scan(add_chunk, zero, tuple(_chunks(x, n_chunks, chunk_size) for x in (hidden, labels, weights)))
     return total
 
 
 def objective(sums: LossSums, z_loss_weight: float, normaliser: Float[Array, ""]) -> Float[Array, ""]:
     """What gets differentiated: (ce + z_loss_weight * z) / normaliser (the global count)."""
     return (sums.ce + z_loss_weight * sums.z) / jnp.maximum(normaliser, 1.0)
+
+
+def fused_head_loss(
+    hidden: Float[Array, "batch seq d_model"],
+    head: Float[Array, "d_model padded_vocab"],
+    input_ids: Int[Array, "batch seq"],
+    loss_mask: Float[Array, "batch seq"],
+    *,
+    vocab_size: int,
+    chunk_size: int,
+    z_loss_weight: float,
+    constrain: Constrain = unconstrained,
+) -> tuple[Float[Array, ""], LossSums]:
+    """(ce + z_loss_weight * z, the `LossSums`) of `hidden @ head`, for training: the first
+    is differentiable, the sums are metrics (no gradient flows through them).
+
+    Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's float32 logits are
+    computed once, and in the same pass their gradient, `w * (softmax * (1 + 2 z_w lse) -
+    onehot(label))`, is formed and multiplied into the gradients of the hidden states and of
+    the head (accumulated in float32 over the chunks). The backward pass only scales them by
+    the incoming cotangent. Autodiff of the chunked loss instead computes every chunk's
+    logits twice (forward, then again under remat in the backward pass) and reads them in
+    more passes; at the OLMo 3 vocabulary that is a large part of a small model's step on a
+    TPU (docs/performance.md, "Speed on TPU").
+    """
+    labels, weights = _shifted_targets(input_ids, loss_mask)
+    head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
+    batch, length, d_model = hidden.shape
+    n_chunks = -(-length // chunk_size)
+    size = min(chunk_size, length)
+
+    def chunk_pass(head, carry, xs):  # head: run's argument (a closure would leak its tracer)
+        ce, z, d_head = carry
+        h, labels, weights = xs
+        logits = _head_logits(h, head, vocab_size, constrain)
+        sums, lse = _sums_and_lse(logits, labels, weights)
+        # d(ce + z_w * z)/d(logits), in the compute dtype (as autodiff's cotangent would be
+        # when it enters the bf16 matmuls).
+        # (where, not only the weight: an ignored position's inf/nan must not leak in.)
+        counted = (weights > 0)[..., None]
+        w = jnp.where(counted, weights[..., None], 0.0)
+        onehot = jnp.arange(logits.shape[-1]) == labels[..., None]
+        d_logits = jnp.exp(logits - lse[..., None]) * (w * (1.0 + 2.0 * z_loss_weight * lse[..., None]))
+        d_logits = jnp.where(counted, d_logits - jnp.where(onehot, w, 0.0), 0.0).astype(h.dtype)
+        d_logits = constrain(d_logits, ("batch", "sequence", "act_vocab"))
+        d_h = jnp.einsum("bcv,dv->bcd", d_logits, head)
+        d_head = d_head + jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
+        return (ce + sums.ce, z + sums.z, d_head), d_h
+
+    def run(hidden, head):
+        zero = jnp.zeros((), jnp.float32)
+        init = (zero, zero, jnp.zeros(head.shape, jnp.float32))
+        if n_chunks == 1:
+            (ce, z, d_head), d_hidden = chunk_pass(head, init, (hidden, labels, weights))
+        else:
+            xs = tuple(_chunks(x, n_chunks, size) for x in (hidden, labels, weights))
+            (ce, z, d_head), d_chunks = jax.lax.scan(functools.partial(chunk_pass, head), init, xs)
+            d_hidden = jnp.moveaxis(d_chunks, 0, 1).reshape(batch, n_chunks * size, d_model)[:, :length]
+        return (ce + z_loss_weight * z, ce, z), (d_hidden, d_head)
+
+    @jax.custom_vjp
+    def loss_and_sums(hidden, head):
+        return run(hidden, head)[0]  # without a gradient XLA drops the unused gradient work
+
+    def backward(gradients, cotangents):
+        d_hidden, d_head = gradients
+        # Only the weighted sum is differentiated; ce and z leave as metrics (stopped below).
+        cotangent = cotangents[0]
+        return (cotangent * d_hidden).astype(hidden.dtype), (cotangent * d_head).astype(head.dtype)
+
+    loss_and_sums.defvjp(run, backward)
+    value, ce, z = loss_and_sums(hidden, head)
+    return value, LossSums(ce=jax.lax.stop_gradient(ce), z=jax.lax.stop_gradient(z), count=jnp.sum(weights))

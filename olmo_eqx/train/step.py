@@ -19,9 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from ..batch import TokenBatch, as_token_batch
-from ..models.base import AUX_OBJECTIVE, CausalLM
+from ..models.base import AUX_OBJECTIVE, CausalLM, compute_weights
 from ..sharding import ShardingRules, activation_sharding, model_shardings, train_state_shardings
-from .loss import LossSums, chunked_loss_sums, objective, target_count
+from .loss import LossSums, chunked_loss_sums, fused_head_loss, target_count
 from .optim import OptimConfig, apply_updates, make_optimizer
 from .schedules import Schedule
 from .state import TrainState
@@ -134,6 +134,23 @@ def model_loss_sums_and_aux(model: CausalLM, batch: TokenBatch, constrain) -> tu
     return sums, aux
 
 
+def training_loss(
+    model: CausalLM, batch: TokenBatch, constrain, z_loss_weight: float
+) -> tuple[Float[Array, ""], LossSums, dict[str, Array]]:
+    """(ce + z_loss_weight * z summed over the batch's targets, differentiable; the `LossSums`
+    as metrics; the model's auxiliary terms): `model_loss_sums_and_aux` with the head's
+    gradient formed in the same pass as its logits (`loss.fused_head_loss`)."""
+    hidden, aux = model.hidden_states_and_aux(
+        batch.input_ids, batch.positions, segment_ids=batch.segment_ids, constrain=constrain
+    )
+    config = model.config
+    weighted, sums = fused_head_loss(
+        hidden, model.lm_head, batch.input_ids, batch.loss_mask, vocab_size=config.vocab_size,
+        chunk_size=config.loss_chunk_size, z_loss_weight=z_loss_weight, constrain=constrain,
+    )
+    return weighted, sums, aux
+
+
 def make_train_step(
     optim_config: OptimConfig,
     schedule: Schedule,
@@ -190,11 +207,15 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
         batch = _check_batch(batch)
         count = target_count(batch.loss_mask)
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
+        # Differentiated where the micro-batches read them: matmul weights in the compute dtype,
+        # cast once per step (`compute_weights`); their gradients come back float32 below.
+        weights = compute_weights(params, state.model)
 
         def micro_objective(params, batch: TokenBatch):
-            sums, aux = model_loss_sums_and_aux(eqx.combine(params, static), batch, constrain)
+            weighted, sums, aux = training_loss(eqx.combine(params, static), batch, constrain, z_weight)
             aux = {name: value / micro_batches for name, value in aux.items()}
-            return objective(sums, z_weight, count) + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux)
+            # The recipe's reduction: over the *global* batch's target count (loss.objective).
+            return weighted / jnp.maximum(count, 1.0) + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux)
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
 
@@ -208,16 +229,16 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
             return jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
 
         if micro_batches == 1:
-            grads, (sums, aux) = grad_fn(params, batch)
+            grads, (sums, aux) = grad_fn(weights, batch)
             grads = to_f32(grads)
         else:
 
             def accumulate(carry, xs):
-                g, s = grad_fn(params, xs)
+                g, s = grad_fn(weights, xs)
                 return jax.tree.map(jnp.add, carry, (to_f32(g), s)), None
 
             xs = jax.tree.map(lambda x: _split_micro_batches(x, micro_batches, mesh, rules), batch)
-            aux_shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], xs))[1][1]
+            aux_shapes = jax.eval_shape(grad_fn, weights, jax.tree.map(lambda x: x[0], xs))[1][1]
             zeros = (
                 to_f32(jax.tree.map(jnp.zeros_like, params)),
                 (LossSums(*(jnp.zeros((), jnp.float32),) * 3), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)),
