@@ -144,3 +144,17 @@ def test_every_shipped_option_composes_with_the_defaults(group):
     assert options or group == "model"
     for option in options:
         compose_config(["+stage=pretrain", f"{group}={option}"])
+
+
+def test_eval_compare_export_and_generate_of_a_run_write_beside_it(tmp_path):
+    from olmo_eqx.run_dir import default_run_dir
+
+    run = tmp_path / "runs" / "tiny"
+    (run / "checkpoints" / "200").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for stage in ("eval", "compare", "export", "generate"):
+        assert default_run_dir(stage, str(run), "outputs/x") == str(run.parent / f"tiny.{stage}")
+    assert default_run_dir("generate", str(run / "checkpoints" / "200"), "outputs/x") == str(run.parent / "tiny.generate-step200")
+    # A training stage, or a model dir that is not one of our runs, gets Hydra's default.
+    assert default_run_dir("anneal", str(run), "outputs/x") == "outputs/x"
+    assert default_run_dir("generate", str(tmp_path), "outputs/x") == "outputs/x"
