@@ -92,6 +92,19 @@ def run_job_in_subprocess(hydra_config, run_dir: Path) -> Optional[dict]:
     return json.loads(summary.read_text()) if summary.exists() else None
 
 
+def keep_returned_summary(run_dir: Path, summary: object) -> None:
+    """A stage's returned summary (a dict) that it did not write itself: printed, and saved as
+    the run dir's summary.json, which sweeps read (the built-in stages write and print theirs)."""
+    if not isinstance(summary, dict) or (run_dir / SUMMARY_FILE).exists():
+        return
+    if "jax" in sys.modules and sys.modules["jax"].process_index() != 0:
+        return  # one writer per run dir, as for the built-in stages
+    text = json.dumps(summary, indent=2, default=str)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SUMMARY_FILE).write_text(text + "\n")
+    print(f"summary: {run_dir / SUMMARY_FILE}\n{text}", flush=True)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> Optional[dict]:
     hydra_config = HydraConfig.get()
@@ -107,7 +120,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         config = dataclasses.replace(config, stage=stage_settings(stage, name, config.stage))
         if multirun:
             return run_job_in_subprocess(hydra_config, run_dir)
-        return stage.run(config, run_dir)
+        summary = stage.run(config, run_dir)
+        keep_returned_summary(run_dir, summary)
+        return summary
     except (ConfigError, RunError) as e:
         # Bad input: one line naming it, not a traceback. In a sweep, fail only this job: the
         # other jobs still run and the summary table marks this one (its error file).
