@@ -14,6 +14,7 @@ backends, so they work the same.
 
 import glob
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 # PCI vendor of Google's TPU chips (the id JAX's hardware_utils looks for), and the device
@@ -35,7 +36,7 @@ def accelerator_present(root: str = "/") -> bool:
     return False
 
 
-def run_on_cpu_without_an_accelerator(environ=os.environ, root: str = "/") -> bool:
+def run_on_cpu_without_an_accelerator(environ: MutableMapping[str, str] = os.environ, root: str = "/") -> bool:
     """Set `JAX_PLATFORMS=cpu` in `environ` when the user has not chosen a platform and the
     machine has no accelerator; whether it did. Effective only before JAX is imported (JAX
     reads the variable once), and inherited by the processes a run starts."""
