@@ -65,7 +65,9 @@ def test_each_preset_is_its_official_script_setting_for_setting(recipe):
     # Cadences: progress = metrics interval; held-out evaluation = the LM evaluator's (0: none);
     # checkpoints: the ephemeral interval with the newest kept, every permanent one kept.
     assert trainer.log_every == script["metrics_collect_interval"]
-    assert trainer.eval_every == (script["lm_evaluator"][1] if script["lm_evaluator"] else 0)
+    # (Stage 3 evaluates once, at its last step: the stage compares held-out loss before and after.)
+    without_evaluator = trainer.steps if STAGE[recipe] == "long_context" else 0
+    assert trainer.eval_every == (script["lm_evaluator"][1] if script["lm_evaluator"] else without_evaluator)
     if script["downstream_eval_interval"] is not None:
         assert script["downstream_eval_interval"] == script["lm_evaluator"][1]
     assert ckpt.every == (script["ephemeral_save_interval"] or script["save_interval"])
