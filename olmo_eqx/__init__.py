@@ -1,7 +1,16 @@
 """olmo_eqx: train the OLMo family of language models in JAX with Equinox."""
 
+import sys as _sys
+
+# Before anything below imports JAX: on a machine without an accelerator, JAX runs on the CPU
+# and never loads an installed accelerator plugin (libtpu's error block; olmo_eqx.accelerators).
+if "jax" not in _sys.modules:
+    from .accelerators import run_on_cpu_without_an_accelerator
+
+    run_on_cpu_without_an_accelerator()
+
 # `python -m olmo_eqx` on a CPU re-executes itself with huge pages for XLA:CPU's buffers before
-# anything below imports JAX (olmo_eqx.huge_pages); a plain import does nothing here.
+# anything below imports JAX (olmo_eqx.huge_pages).
 from .huge_pages import reexec_with_huge_pages, started_as_olmo_eqx_command
 
 if started_as_olmo_eqx_command():

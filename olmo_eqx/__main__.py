@@ -92,6 +92,19 @@ def run_job_in_subprocess(hydra_config, run_dir: Path) -> Optional[dict]:
     return json.loads(summary.read_text()) if summary.exists() else None
 
 
+def keep_returned_summary(run_dir: Path, summary: object) -> None:
+    """A stage's returned summary (a dict) that it did not write itself: printed, and saved as
+    the run dir's summary.json, which sweeps read (the built-in stages write and print theirs)."""
+    if not isinstance(summary, dict) or (run_dir / SUMMARY_FILE).exists():
+        return
+    if "jax" in sys.modules and sys.modules["jax"].process_index() != 0:
+        return  # one writer per run dir, as for the built-in stages
+    text = json.dumps(summary, indent=2, default=str)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SUMMARY_FILE).write_text(text + "\n")
+    print(f"summary: {run_dir / SUMMARY_FILE}\n{text}", flush=True)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> Optional[dict]:
     hydra_config = HydraConfig.get()
@@ -107,7 +120,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         config = dataclasses.replace(config, stage=stage_settings(stage, name, config.stage))
         if multirun:
             return run_job_in_subprocess(hydra_config, run_dir)
-        return stage.run(config, run_dir)
+        summary = stage.run(config, run_dir)
+        keep_returned_summary(run_dir, summary)
+        return summary
     except (ConfigError, RunError) as e:
         # Bad input: one line naming it, not a traceback. In a sweep, fail only this job: the
         # other jobs still run and the summary table marks this one (its error file).
@@ -147,6 +162,31 @@ def spare_imported_objects_from_the_collector() -> None:
     gc.set_threshold(50_000, 50, 50)
 
 
+def show_only_the_settings_that_apply() -> None:
+    """Make `--cfg job` (and `--cfg all`) leave out the model settings its architecture does not
+    read (`olmo_eqx.models.config.unused_fields`): a plain OLMo 3 shows no Gated DeltaNet or
+    expert keys. Hydra prints the composed config itself, through `get_sanitized_cfg`, before
+    any code of ours runs; the run's own config (config.json) still holds every field."""
+    from hydra._internal.hydra import Hydra
+    from omegaconf import OmegaConf
+
+    from olmo_eqx.models.config import unused_fields
+
+    sanitize = Hydra.get_sanitized_cfg
+
+    def without_unused_fields(self, cfg, cfg_type):
+        cfg = sanitize(self, cfg, cfg_type)
+        if cfg_type == "hydra" or cfg.get("model") is None:
+            return cfg
+        # Typed nodes refuse deletion: the printed copy is plain (same keys, values, order).
+        shown = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        for name in unused_fields(OmegaConf.to_container(shown.model, resolve=False)):
+            del shown.model[name]
+        return shown
+
+    Hydra.get_sanitized_cfg = without_unused_fields
+
+
 def main() -> None:
     spare_imported_objects_from_the_collector()
     if len(sys.argv) == 1:
@@ -154,6 +194,8 @@ def main() -> None:
         list_stages()  # directly: through Hydra, even a listing would create a run directory
         return
     register_configs(typed=not _is_multirun(sys.argv[1:]))
+    if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in sys.argv[1:]):
+        show_only_the_settings_that_apply()
     # Hydra prints its own refusals (a typo'd key, a wrong type, an unknown option) in 7 to 40
     # lines and exits; with HYDRA_FULL_ERROR it raises them instead, and they are said here in
     # one line. Anything else still comes with its whole traceback.

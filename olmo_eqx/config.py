@@ -284,8 +284,13 @@ def _check(value, tp, key: str):
     if tp is Any:
         return value
     if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(typing.get_args(tp))}")
+        choices = typing.get_args(tp)
+        if value not in choices:
+            import difflib
+
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {key}={close[0]}?)" if close else ""
+            raise ConfigError(f"{key}={value!r} is not allowed{hint}; choose one of {list(choices)}")
         return value
     if _is_union(tp):
         args = typing.get_args(tp)
@@ -446,8 +451,19 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
 # Hydra's own refusals, in one line
 
 
-def _library_class(schema: Any) -> Optional[type]:
-    return next((cls for cls, mirror in _SCHEMAS.items() if mirror is schema), None)
+def _library_class(schema: Any, section: str = "") -> Optional[type]:
+    """The library dataclass behind a config node: its typed schema's, or for an untyped node
+    (a sweep's parent composes without types) the one its dotted `section` names in `Config`."""
+    cls = next((cls for cls, mirror in _SCHEMAS.items() if mirror is schema), None)
+    if cls is not None or not section:
+        return cls
+    cls = Config
+    for part in section.split("."):
+        hint = typing.get_type_hints(cls).get(part)
+        if hint is None or not dataclasses.is_dataclass(hint):
+            return None
+        cls = hint
+    return cls
 
 
 def _type_name(tp) -> str:
@@ -477,7 +493,7 @@ def hydra_refusal(error: BaseException) -> Optional[str]:
     cause = error.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         section, _, name = cause.full_key.rpartition(".")
-        cls = _library_class(cause.object_type)
+        cls = _library_class(cause.object_type, section)
         if cls is None:
             return f"unknown key {cause.full_key}: {section or 'the config'} has no key {name!r}"
         names = [f.name for f in dataclasses.fields(cls) if f.init]

@@ -12,8 +12,9 @@ glibc reads tunables only when a process starts, so `python -m olmo_eqx` re-exec
 (same pid, same arguments) with the tunable added, from the top of the package's `__init__`,
 before JAX is imported, when all of these hold (`why_not` names the first that fails): Linux
 with glibc, the kernel's THP mode is `madvise` (with `always` every mapping gets huge pages
-anyway; with `never` none can), JAX will run on the CPU only (`JAX_PLATFORMS=cpu`, or no
-accelerator plugin installed), `GLIBC_TUNABLES` does not already choose `glibc.malloc.hugetlb`,
+anyway; with `never` none can), JAX will run on the CPU only (`JAX_PLATFORMS=cpu`, which the
+package sets on a machine without an accelerator device (olmo_eqx.accelerators), or no accelerator
+plugin installed), `GLIBC_TUNABLES` does not already choose `glibc.malloc.hugetlb`,
 and `OLMO_EQX_HUGE_PAGES` is not `0`. A run's header says which malloc it has (`describe`). In a notebook or any process
 of your own, set `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting Python.
 """

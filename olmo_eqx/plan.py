@@ -42,7 +42,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .targets import Chip, Target, gpu_devices, parse_target, tpu_devices
 
@@ -50,9 +50,16 @@ GIB = 1024**3
 # What fits where, for XLA:CPU plans (an accelerator target compares with its own chip).
 ACCELERATORS = (("TPU v6e", 32), ("H100", 80), ("TPU v5p", 95), ("H200", 141))
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-# Published MFU figures of OLMo 3 and comparable runs (AI2's OLMo 3 report; MaxText's OLMo 3
-# reproduction), shown beside the estimates.
-PUBLISHED_MFU = "published: MaxText's OLMo 3 7B reproduction 57.4% on v5p (stage 2), 44-50% on TPU7x (stage 1)"
+# Published MFU figures (MaxText's OLMo 3 reproduction), shown beside the estimates of a plan of
+# the same model only: (model name, figure).
+PUBLISHED_MFU: tuple[tuple[str, str], ...] = (
+    ("olmo3_7b", "MaxText's OLMo 3 7B reproduction 57.4% on v5p (stage 2), 44-50% on TPU7x (stage 1)"),
+)
+
+# Where compile_train_step says what it compiles and how long it took (main() prints it; a
+# plan from Python stays quiet).
+_progress: Optional[Callable[[str], None]] = None
+_compiles = 0
 
 
 @dataclass(frozen=True)
@@ -316,12 +323,24 @@ def compile_train_step(config, devices) -> CompiledStep:
         new_state, metrics = step(batch, eqx.combine(arrays, static))
         return eqx.filter(new_state, eqx.is_array), metrics
 
+    model = config.model
+    what = (f"{model.n_layers} layers, remat {model.remat}, {config.trainer.micro_batches} micro-batch(es) of "
+            f"{config.data.global_batch_size // config.trainer.micro_batches} x {config.data.sequence_length}")
+    global _compiles
+    _compiles += 1
+    if _progress:
+        _progress(f"  compile {_compiles}: {what} ...")
+    started = time.perf_counter()
     try:
         compiled = jax.jit(array_step, donate_argnums=1).lower(batch, arrays).compile()
     except Exception as e:
         if (message := _refusal(e)) is not None:
+            if _progress:
+                _progress(f"  compile {_compiles}: refused by the compiler after {time.perf_counter() - started:.0f} s")
             raise CompileRefused(message, str(e)) from None
         raise
+    if _progress:
+        _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
     return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
 
 
@@ -776,7 +795,7 @@ def format_estimate(p: dict) -> str:
         raw = est.get("xla_optimal_seconds") or {}
         said = ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in raw.items() if v is not None) or "nothing"
         lines.append(f"  XLA's cost model: no usable step time (its optimal_seconds: {said}); the roofline stands alone")
-    lines.append(f"  ({PUBLISHED_MFU})")
+    lines += [f"  (published: {figure})" for model, figure in PUBLISHED_MFU if model == p["model"]]
     return "\n".join(lines)
 
 
@@ -804,6 +823,8 @@ def main(argv: list[str] | None = None) -> None:
     config = compose_config(overrides)
     devices = target_devices(target)
     estimate = target.platform != "cpu" if options.estimate is None else options.estimate
+    global _progress
+    _progress = lambda line: print(line, flush=True)  # noqa: E731
     print(f"compiling the train step for {target.describe()} (a 7B step takes minutes on 2 cores) ...", flush=True)
     if options.search:
         result = search(config, target, devices, max_layouts=options.max_layouts, estimate=estimate)
@@ -816,7 +837,8 @@ def main(argv: list[str] | None = None) -> None:
         result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)
         print(format_plan(result), flush=True)
         if estimate and target.chip and not result.get("refused"):
-            print("\nestimating the step time (two more compiles: one and two attention cycles unrolled) ...", flush=True)
+            print("\nestimating the step time (two more compiles: one and two attention cycles unrolled; "
+                  "+plan.estimate=false skips them) ...", flush=True)
             add_estimate(result, config, devices, target.per_device)
             print(format_estimate(result), flush=True)
     if options.json:

@@ -207,12 +207,12 @@ def _remove_with_new_parents(path: Path) -> None:
 
 
 # Stages whose output belongs to the model they read (checkpoint.load), not to a new run.
-_BESIDE_THE_MODEL = ("eval", "compare", "export")
+_BESIDE_THE_MODEL = ("eval", "compare", "export", "generate")
 
 
 def default_run_dir(stage: Optional[str], load: Optional[str], fallback: str) -> str:
     """The run dir when none is given (`hydra.run.dir` in conf/config.yaml, the resolver
-    `olmo_eqx_run_dir`): eval, compare and export of one of our runs write next to it, as
+    `olmo_eqx_run_dir`): eval, compare, export and generate of one of our runs write next to it, as
     `<run>.<stage>` (`<run>.<stage>-step<N>` for one step dir), so the results sit beside the
     model and a rerun replaces them; everything else (and an HF model dir, often shared or
     read-only) gets `fallback`, Hydra's `outputs/<date>/<time>`."""

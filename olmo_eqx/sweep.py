@@ -56,6 +56,7 @@ def collect(sweep_dir: Path) -> list[dict]:
                 # Mean of the last trainer.log_every steps; summaries written before it had its
                 # name called it final_train_loss.
                 "train_loss": None if summary is None else summary.get("train_loss_mean_last_n", summary.get("final_train_loss")),
+                "train_loss_steps": None if summary is None else summary.get("train_loss_mean_steps"),
                 "heldout_loss": None if summary is None else summary.get("final_heldout_loss"),
             }
         )
@@ -63,11 +64,21 @@ def collect(sweep_dir: Path) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("job", "overrides", "train loss (mean of last N steps)", "held-out loss", "status")
-    body = [
-        (r["job"], r["overrides"] or "(none)", _loss(r["train_loss"]), _loss(r["heldout_loss"]), r["status"])
-        for r in rows
-    ]
+    # The train loss is a mean over each job's last trainer.log_every steps: the header names
+    # their count when the jobs agree, else each row does.
+    counts = {r.get("train_loss_steps") for r in rows if r["train_loss"] is not None}
+    same = len(counts) == 1 and None not in counts
+    if same:
+        title = f"train loss (mean of last {counts.pop()} steps)"
+    else:
+        title = "train loss (mean of last steps)"
+
+    def train(r: dict) -> str:
+        loss = _loss(r["train_loss"])
+        return loss if same or r["train_loss"] is None or not r.get("train_loss_steps") else f"{loss} ({r['train_loss_steps']} steps)"
+
+    header = ("job", "overrides", title, "held-out loss", "status")
+    body = [(r["job"], r["overrides"] or "(none)", train(r), _loss(r["heldout_loss"]), r["status"]) for r in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *body)]
     lines = [" | ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in (header, *body)]
     lines.insert(1, "-+-".join("-" * w for w in widths))

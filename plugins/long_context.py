@@ -100,10 +100,24 @@ def _add_loss_before(config: Config, run_dir: Path, summary: dict, before: dict)
 
     summary = {**summary, "heldout_loss_before": before["loss"]}
     after = summary.get("final_heldout_loss") or float("nan")
-    with RunDir(run_dir, enabled=jax.process_index() == 0, log_name=LOG_FILE) as out:
+    # The same figure as a held-out record at the stage's first step, so metrics.jsonl (and
+    # TensorBoard) hold it and loss.png draws it as each set's first point. Not sent to W&B:
+    # the loop's W&B run is closed, and another would be a second run.
+    loggers = tuple(name for name in config.trainer.loggers if name != "wandb")
+    with RunDir(run_dir, enabled=jax.process_index() == 0, log_name=LOG_FILE, loggers=loggers) as out:
+        out.metrics({"step": summary["start_step"], "heldout_loss": before["loss"], "heldout_tokens": before["tokens"],
+                     "heldout": before["sets"], "before_stage": True})
         out.print(f"\nheld-out loss at sequence length {config.data.sequence_length} ({before['tokens']:,.0f} tokens): "
                   f"before {before['loss']:.4f} | after {after:.4f}")
         out.write_summary(summary)
+    if config.trainer.plot and "jsonl" in loggers and jax.process_index() == 0:
+        from olmo_eqx.plots import loss_plot, read_metrics
+        from olmo_eqx.train.loop import METRICS_FILE, PLOT_FILE
+
+        records = read_metrics(run_dir / METRICS_FILE)
+        steps = [r["step"] for r in records]
+        title = f"{config.model.name} | {Path(run_dir).name} | steps {min(steps)}-{max(steps)} of {config.trainer.steps}"
+        loss_plot(records, Path(run_dir) / PLOT_FILE, title=title)
     return summary
 
 
@@ -126,4 +140,5 @@ def _heldout_loss(config: Config, model, mesh, rules) -> dict:
         sets[heldout_set.name] = [global_batch_arrays(b, sharding, **documents) for b in islice(batches, config.trainer.eval_batches)]
     results = evaluate(make_eval_step(mesh, rules), model, sets)
     tokens = sum(count for _, count in results.values())
-    return {"loss": sum(loss * count for loss, count in results.values()) / max(tokens, 1.0), "tokens": tokens}
+    return {"loss": sum(loss * count for loss, count in results.values()) / max(tokens, 1.0), "tokens": tokens,
+            "sets": {name: loss for name, (loss, _) in results.items()}}

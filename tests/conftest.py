@@ -21,8 +21,8 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The CPU peak behind every run's MFU figure, measured once for the suite (`pytest_configure`,
-# before any worker starts) and read by the workers and their subprocesses: on the suite's busy
-# cores each `python -m olmo_eqx` would otherwise measure it again (2 s each, not cached then).
+# before any worker starts) and read by the workers and their subprocesses, in the suite's own
+# cache (a figure of the suite's busy cores must not stand for the user's idle machine).
 os.environ.setdefault("OLMO_EQX_CACHE", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "olmo_eqx"))
 # Tests never reach a model hub, and HF progress bars only clutter the log.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,4 +51,4 @@ def pytest_configure(config):
         return  # an xdist worker: the controller measured it before starting the workers
     from olmo_eqx.train import mfu
 
-    mfu.cpu_peak_flops(cache_when_busy=True)
+    mfu.cpu_peak_flops()

@@ -163,6 +163,11 @@ def test_long_context_from_a_checkpoint_with_context_parallelism(pretrained, tmp
     assert "held-out loss at sequence length 256" in (tmp_path / "train.log").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["heldout_loss_before"] == summary["heldout_loss_before"]
     assert np.isfinite(summary["heldout_loss_before"]) and np.isfinite(summary["final_heldout_loss"])
+    # metrics.jsonl holds it too, as the held-out record of the stage's first step (loss.png's first point).
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    before = [r for r in records if r.get("before_stage")]
+    assert len(before) == 1 and before[0]["step"] == 0 and before[0]["heldout_loss"] == summary["heldout_loss_before"]
+    assert set(before[0]["heldout"]) == set(next(r for r in records if "heldout" in r and r["step"] == 3)["heldout"])
     with Checkpointer(tmp_path / "checkpoints", keep_last=None, read_only=True) as checkpointer:
         model = checkpointer.stored_model_config()
     assert model.yarn.factor == 8.0 and model.yarn.original_max_position_embeddings == 64  # the pretrain's sequence

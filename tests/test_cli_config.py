@@ -88,6 +88,7 @@ def test_a_sweep_refused_before_any_job_leaves_no_sweep_dir(tmp_path):
     result = olmo_eqx("-m", *TINY, "trainer.stepz=3,4", f"hydra.sweep.dir={sweep_dir}")
     assert result.returncode == 2
     assert "trainer.stepz" in result.stderr and "Traceback" not in result.stderr
+    assert "(did you mean trainer.steps?)" in result.stderr  # as a single run's refusal says
     # Hydra had written multirun.yaml there before composing the first job.
     assert not (tmp_path / "multirun").exists()
 
@@ -144,3 +145,34 @@ def test_every_shipped_option_composes_with_the_defaults(group):
     assert options or group == "model"
     for option in options:
         compose_config(["+stage=pretrain", f"{group}={option}"])
+
+
+def test_eval_compare_export_and_generate_of_a_run_write_beside_it(tmp_path):
+    from olmo_eqx.run_dir import default_run_dir
+
+    run = tmp_path / "runs" / "tiny"
+    (run / "checkpoints" / "200").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for stage in ("eval", "compare", "export", "generate"):
+        assert default_run_dir(stage, str(run), "outputs/x") == str(run.parent / f"tiny.{stage}")
+    assert default_run_dir("generate", str(run / "checkpoints" / "200"), "outputs/x") == str(run.parent / "tiny.generate-step200")
+    # A training stage, or a model dir that is not one of our runs, gets Hydra's default.
+    assert default_run_dir("anneal", str(run), "outputs/x") == "outputs/x"
+    assert default_run_dir("generate", str(tmp_path), "outputs/x") == "outputs/x"
+
+
+def test_a_value_typo_gets_a_suggestion():
+    with pytest.raises(ConfigError, match=r"model.compute_dtype='bfloat' is not allowed \(did you mean model.compute_dtype=bfloat16\?\)"):
+        build(type(get_model_config("olmo3_tiny")), {"compute_dtype": "bfloat"}, "model")
+
+
+def test_the_sweep_table_names_how_many_steps_its_train_loss_averages():
+    from olmo_eqx.sweep import format_table
+
+    def row(job, loss, steps):
+        return {"job": job, "overrides": f"x={job}", "train_loss": loss, "train_loss_steps": steps, "heldout_loss": None,
+                "status": "ok" if loss else "failed"}
+
+    assert "train loss (mean of last 10 steps)" in format_table([row("0", 3.2, 10), row("1", None, None)])
+    mixed = format_table([row("0", 3.2, 10), row("1", 3.1, 5)])
+    assert "mean of last N" not in mixed and "3.2000 (10 steps)" in mixed and "3.1000 (5 steps)" in mixed

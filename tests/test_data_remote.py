@@ -208,10 +208,38 @@ def test_a_server_that_ignores_ranges_is_refused(corpus, http):
     url = f"{http.url}/olmo/data/eval/heldout.npy"
     http.ignore_ranges = True
     try:
-        with pytest.raises(RemoteFileError, match=f"^token file {url}: the server ignored the Range header"):
+        with pytest.raises(RemoteFileError, match=f"^token file {url}: the server ignored the Range header.*olmo_eqx.data.serve"):
             InstanceDataset([source_from_paths("eval", [url])], SEQ, VOCAB, reader=RemoteReader(QUICK))
     finally:
         http.ignore_ranges = False
+
+
+def test_the_shipped_range_server_serves_what_a_run_reads(corpus):
+    """`python -m olmo_eqx.data.serve DIR` (the local way to try training from a URL, which the
+    refusal above names) answers sizes and byte ranges as the reader needs."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from olmo_eqx.data.serve import make_server
+
+    server = make_server(corpus[0], port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/olmo/data/eval/heldout.npy"
+        local = (corpus[0] / "olmo/data/eval/heldout.npy").read_bytes()
+        reader = RemoteReader(QUICK)
+        assert reader.size(url) == len(local)
+        assert reader.read(url, 10, 100, len(local)) == local[10:110]
+        dataset = InstanceDataset([source_from_paths("eval", [url])], SEQ, VOCAB, reader=reader)
+        assert len(dataset) == len(local) // 2 // SEQ  # uint16 tokens, whole instances
+        past = urllib.request.Request(url, headers={"Range": f"bytes={len(local) + 5}-{len(local) + 9}"})
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(past, timeout=10)
+        assert answer.value.code == 416 and answer.value.headers["Content-Range"] == f"bytes */{len(local)}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_globs_and_unknown_schemes_at_urls_are_refused(corpus, http):

@@ -52,3 +52,43 @@ def test_an_installed_accelerator_plugin_means_not_cpu_only(monkeypatch):
 
 def test_a_plain_import_never_reexecutes():
     assert not huge_pages.started_as_olmo_eqx_command()  # pytest, not `python -m olmo_eqx`
+
+
+def test_no_accelerator_device_means_jax_on_the_cpu(tmp_path):
+    from olmo_eqx.accelerators import accelerator_present, run_on_cpu_without_an_accelerator
+
+    pci = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+    pci.mkdir(parents=True)
+    (pci / "vendor").write_text("0x1af4\n")  # a virtio device: no accelerator
+    environ = {}
+    assert not accelerator_present(str(tmp_path))
+    assert run_on_cpu_without_an_accelerator(environ, str(tmp_path)) and environ == {"JAX_PLATFORMS": "cpu"}
+    assert huge_pages.cpu_only(environ)  # so a CPU run keeps its huge pages, libtpu or not
+    # The user's choice stays; a TPU on the PCI bus or a GPU's device file leaves JAX to choose.
+    environ = {"JAX_PLATFORMS": "tpu"}
+    assert not run_on_cpu_without_an_accelerator(environ, str(tmp_path)) and environ == {"JAX_PLATFORMS": "tpu"}
+    (pci / "vendor").write_text("0x1ae0\n")
+    assert accelerator_present(str(tmp_path)) and not run_on_cpu_without_an_accelerator({}, str(tmp_path))
+    (pci / "vendor").write_text("0x1af4\n")
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidiactl").touch()
+    assert accelerator_present(str(tmp_path))
+
+
+def test_an_installed_libtpu_says_nothing_on_a_machine_without_one():
+    """The `tpu` extra installed, no accelerator here: importing the package and using JAX prints
+    nothing of libtpu (its 5-line error block came from JAX loading it as a backend)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from olmo_eqx.accelerators import accelerator_present
+
+    if importlib.util.find_spec("libtpu") is None or accelerator_present():
+        pytest.skip("needs libtpu installed on a machine without an accelerator")
+    environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    script = "import olmo_eqx, jax, os; print(jax.devices()[0].platform, os.environ['JAX_PLATFORMS'])"
+    result = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["cpu", "cpu"] and result.stderr == "", result.stderr

@@ -41,6 +41,13 @@ def test_extras_are_named_as_every_pip_finds_them():
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", extra), f"extra {extra!r}: use lowercase and hyphens"
 
 
+def test_the_lock_holds_no_local_version_label():
+    # `torch==2.13.0+cpu` resolves only where PyTorch's own index (or a local wheel) is
+    # configured; the public index has `torch==2.13.0`, which a local build also satisfies.
+    labelled = sorted(f"{n}=={v}" for n, v in locked().items() if v.local)
+    assert not labelled, f"constraints.txt pins local versions {labelled}: run .ci/lock, which drops the labels"
+
+
 def test_the_lock_covers_every_requirement_and_holds_no_pre_release():
     pins = locked()
     for requirement in requirements():
@@ -91,7 +98,8 @@ def test_the_project_runs_on_the_locked_versions(requirement):
     version = installed().get(name)
     if version is None:
         pytest.fail(f"{name} is not installed: pip install -c constraints.txt -e '.[test]'")
-    assert Version(version) == locked()[name], (
+    # A local build of the locked version (torch 2.13.0+cpu for 2.13.0) is that version (PEP 440).
+    assert Version(Version(version).public) == locked()[name], (
         f"{name} {version} is installed but constraints.txt says {locked()[name]}: "
         "pip install -c constraints.txt -e '.[test]' (or run .ci/lock if the lock is what is old)"
     )

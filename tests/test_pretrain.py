@@ -99,6 +99,8 @@ def test_pretrain_learns_and_writes_its_artifacts(uninterrupted):
     assert on_disk["stage_completed"] and on_disk["end_step"] == 12
     assert on_disk["final_heldout_loss"] == heldout[1]["heldout_loss"]
     assert on_disk["tokens_per_s"] > 0 and on_disk["mfu"] > 0
+    # The training rate leaves compilation, evaluation and saves out, and says so; the wall rate not.
+    assert 0 < on_disk["tokens_per_s_wall"] < on_disk["tokens_per_s"] and "compilation" in on_disk["tokens_per_s_excludes"]
     assert checkpoint_steps(run_dir) == [6, 12]
     assert json.loads((run_dir / "config.json").read_text())["model"]["name"] == "olmo3_nano"
 

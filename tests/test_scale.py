@@ -64,11 +64,25 @@ def test_planner_command_at_32_devices(plans, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "olmo3_tiny" in result.stdout and "TPU v6e (32 GiB) yes" in result.stdout
+    # Each compile says what it compiles and, when done, how long it took.
+    assert "compile 1: 4 layers, remat none, 1 micro-batch(es) of 64 x 128 ..." in result.stdout
+    assert "compile 1: done in " in result.stdout
     p = json.loads(out.read_text())
     assert p["devices"] == 32 and p["per_device_batch"] == 2
     eight = plans[8]["bytes"]["temporaries"]
     print(f"per-device temporaries: 8 devices {eight / 2**20:.1f} MiB, 32 devices {p['bytes']['temporaries'] / 2**20:.1f} MiB")
     assert abs(p["bytes"]["temporaries"] - eight) <= 0.10 * eight
+
+
+def test_published_figures_show_beside_a_plan_of_their_model_only():
+    from olmo_eqx.plan import format_estimate
+
+    estimate = {"flops": 1e15, "reconciled_over_model_flops": 1.3, "kernel_flops": 0.0, "hbm_bytes": 1e12,
+                "roofline_terms": {"compute": 1.0, "hbm": 0.5, "interconnect": 0.2}, "roofline_seconds": 1.0,
+                "roofline_bound": "compute", "roofline_mfu": 0.5, "xla_seconds": 1.1, "xla_mfu": 0.45}
+    assert "MaxText's OLMo 3 7B" in format_estimate({"model": "olmo3_7b", "estimate": estimate})
+    shown = format_estimate({"model": "olmo3_190m", "estimate": estimate})
+    assert "MaxText" not in shown and "(published:" not in shown and "roofline" in shown
 
 
 def test_planner_refuses_unknown_options():

@@ -23,6 +23,7 @@ from pathlib import Path
 class HelloSettings:
     greeting: str = "hello"
     repeat: int = 1
+    write: bool = True  # false: only return the summary (README's example stage)
 
     def __post_init__(self):
         if self.repeat < 1:
@@ -36,8 +37,9 @@ class Hello:
 
     def run(self, config, run_dir):
         summary = {"said": " ".join([config.stage.greeting] * config.stage.repeat), "model": config.model.name}
-        (Path(run_dir) / "summary.json").write_text(json.dumps(summary))
-        print("hello stage ran:", summary["said"])
+        if config.stage.write:
+            (Path(run_dir) / "summary.json").write_text(json.dumps(summary))
+            print("hello stage ran:", summary["said"])
         return summary
 '''
 
@@ -96,6 +98,15 @@ def test_registry_in_process():
         stage_settings(stage, "pretrain", {"lr": 1})
     with pytest.raises(StageError, match="no stage named 'nope'.*pretrain"):
         load_stage("nope")
+
+
+def test_a_returned_summary_is_printed_and_saved(third_party, tmp_path):
+    # A stage that only returns its summary, as README's example: the command prints and keeps it.
+    result = olmo_eqx("+stage=hello", "stage.write=false", "stage.repeat=2", f"hydra.run.dir={tmp_path}", env=third_party)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["said"] == "hello hello" and f"summary: {tmp_path / 'summary.json'}" in result.stdout
+    assert '"said": "hello hello"' in result.stdout
 
 
 def test_sweep_isolates_jobs_and_reports_a_failed_one(third_party, tmp_path):

@@ -172,7 +172,8 @@ class HttpStore:
         status, headers, body = self._request("GET", self.data_url(url), {"Range": f"bytes={start}-{start + length - 1}"})
         if status == 200:
             raise _Permanent("the server ignored the Range header and sent the whole file: olmo_eqx reads "
-                             "token files by byte ranges only; serve them from a server that supports ranges")
+                             "token files by byte ranges only; serve them from a server that supports ranges "
+                             "(on one machine: python -m olmo_eqx.data.serve DIR, not python -m http.server)")
         if status != 206:
             raise _classify(status, url, f"bytes {start}-{start + length - 1}")
         return body, _content_range_total(headers.get("content-range"), url)

@@ -203,3 +203,30 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+# Fields that only some architectures read (the others ignore them). `--cfg job` shows them only
+# for those, so a plain OLMo 3's config does not list Gated DeltaNet or expert settings.
+_MOE_FIELDS = ("n_experts", "n_experts_per_token", "norm_topk_prob", "router_aux_loss_coef",
+               "router_z_loss_coef", "moe_impl", "moe_exchange")
+_HYBRID_FIELDS = ("layer_pattern", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
+                  "gdn_conv_kernel", "gdn_allow_neg_eigval", "gdn_chunk_size", "use_rope")
+_READ_ONLY_BY: dict[str, tuple[str, ...]] = {
+    **{name: ("olmoe", "flex_olmo") for name in _MOE_FIELDS},
+    **{name: ("olmo_hybrid",) for name in _HYBRID_FIELDS},
+}
+
+
+def unused_fields(values: dict) -> list[str]:
+    """The fields of a model config (as plain values) that its architecture does not read and
+    that still hold their defaults: what a shown config can leave out without hiding a choice."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    architecture = values.get("architecture", defaults["architecture"])
+
+    def is_default(name: str) -> bool:
+        value = values[name]
+        default = defaults[name]
+        return (list(value) if isinstance(value, (list, tuple)) else value) == (list(default) if isinstance(default, tuple) else default)
+
+    return [name for name, readers in _READ_ONLY_BY.items()
+            if architecture not in readers and name in values and is_default(name)]

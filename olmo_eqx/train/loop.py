@@ -447,6 +447,7 @@ class _Loop:
     def summary(self, end_step: int, interrupted: Optional[str] = None, diverged: Optional[dict] = None) -> dict:
         tps = self.throughput.mean
         losses = self.recent_losses
+        wall = time.perf_counter() - self.started
         summary = {
             "stage_completed": end_step == self.trainer.steps and diverged is None,
             "interrupted": interrupted,
@@ -468,9 +469,14 @@ class _Loop:
             "final_heldout_tokens": self.last_heldout_tokens,
             "final_heldout_losses": self.last_heldout_sets,
             "eval_batches": self.trainer.eval_batches,
+            # The training rate, as the progress lines show it: the steps after the first logged
+            # one, without compilation, held-out evaluation and checkpoint saves (and MFU from
+            # it). `tokens_per_s_wall` is the session's tokens over its whole wall time.
             "tokens_per_s": tps,
+            "tokens_per_s_excludes": "compilation, held-out evaluation, checkpoint saves",
             "mfu": mfu(self.model_flops, tps, jax.device_count(), self.peak) if tps else None,
-            "wall_time_s": time.perf_counter() - self.started,
+            "tokens_per_s_wall": (end_step - self.start_step) * self.throughput.tokens_per_step / wall if wall else None,
+            "wall_time_s": wall,
             "devices": jax.device_count(),
             "checkpoint": str(self.checkpointer.directory / str(end_step)) if diverged is None else None,
             "run_dir": str(self.out.path),

@@ -1,12 +1,14 @@
 """Model FLOPs utilisation: achieved model FLOP/s per device over the device's dense peak.
 
 Accelerator peaks come from a table of known parts (bf16 dense, spec section 5). A CPU has
-no meaningful datasheet number, so its peak is *measured* once (float32 matmuls for about
-two seconds) and cached in `$OLMO_EQX_CACHE/cpu_peak.json` (default ~/.cache/olmo_eqx).
+no meaningful datasheet number, so its peak is *measured* once per machine (float32 matmuls for
+about two seconds) and cached in `$OLMO_EQX_CACHE/cpu_peak.json` (default ~/.cache/olmo_eqx):
+every run on the machine divides by the same figure (`cpu_peak_flops`).
 """
 
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,30 @@ def _cache_file() -> Path:
     return Path(root) / "cpu_peak.json"
 
 
+def _machine() -> str:
+    """This machine, as the cache tells machines apart: a home directory shared by several
+    hosts must not hand one host's peak to another."""
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{platform.node()} | {model or platform.processor() or platform.machine()} | {os.cpu_count()} cores"
+
+
+def _busy() -> Optional[str]:
+    """'load L on N' when other work keeps the cores busy (a peak measured then is low)."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return f"load {load:.1f} on {cores}" if load > cores else None
+
+
+def _idle() -> bool:
+    """Cores idle enough to replace a busy figure: at most half of them loaded, so that runs
+    that merely share the cores (the test suite's workers) do not each measure again."""
+    return os.getloadavg()[0] <= (os.cpu_count() or 1) / 2
+
+
 def measure_cpu_peak(seconds: float = 2.0, size: int = 1024) -> float:
     """FLOP/s of one CPU device on float32 [size, size] matmuls, best of several timed runs."""
     device = jax.devices("cpu")[0]
@@ -53,40 +79,59 @@ def measure_cpu_peak(seconds: float = 2.0, size: int = 1024) -> float:
     return best
 
 
-def cpu_peak_flops(*, cache_when_busy: bool = False) -> float:
-    """The cached measured CPU peak (measuring and caching it the first time). A figure
-    measured on busy cores is not cached unless `cache_when_busy` (the test suite's choice: it
-    measures once for all its runs and asserts no MFU)."""
+def _read_cache(path: Path) -> Optional[dict]:
+    try:
+        cached = json.loads(path.read_text())
+        float(cached["flops_per_second"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # A figure from another machine (a shared home) is no figure for this one.
+    return cached if cached.get("machine", _machine()) == _machine() else None
+
+
+def cpu_peak_flops() -> float:
+    """This machine's CPU peak: one figure for every run, so that their MFU compare.
+
+    Measured once and cached in `$OLMO_EQX_CACHE/cpu_peak.json` with the machine it belongs to.
+    Cores busy with other work give a low peak and so a high MFU (0.041 to 0.112 TFLOP/s on
+    this project's shared 2-core machines, 0.319 idle): such a figure is cached too, marked
+    busy and said so in every run's header, until a run starts on idle cores, which measures
+    once more and keeps that.
+    """
     global _CPU_PEAK, _CPU_PEAK_SOURCE
     if _CPU_PEAK is not None:
         return _CPU_PEAK
     path = _cache_file()
-    try:
-        cached = json.loads(path.read_text())
+    cached = _read_cache(path)
+    if cached is not None and not (cached.get("busy") and _idle()):
         _CPU_PEAK = float(cached["flops_per_second"])
         when = time.strftime("%Y-%m-%d", time.localtime(cached["measured_at"])) if "measured_at" in cached else "earlier"
-        _CPU_PEAK_SOURCE = f"measured {when}, cached in {path}; delete it to measure again"
+        if cached.get("busy"):
+            _CPU_PEAK_SOURCE = (f"measured {when} on busy cores ({cached['busy']}): an underestimate, so MFU reads high; "
+                                f"cached in {path} so that runs compare, until a run starts on idle cores")
+        else:
+            _CPU_PEAK_SOURCE = f"measured {when} on idle cores, cached in {path} for every run here; delete it to measure again"
         return _CPU_PEAK
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    print(f"measuring this CPU's float32 matmul peak once for MFU (cached in {path}) ...", file=sys.stderr, flush=True)
+    again = " again (the cached figure was measured on busy cores)" if cached is not None else ""
+    print(f"measuring this CPU's float32 matmul peak for MFU{again}, about 2 s ...", file=sys.stderr, flush=True)
+    busy = _busy()
     _CPU_PEAK = measure_cpu_peak()
-    # Cores busy with other work give a low peak and so an inflated MFU (0.286 against 0.319
-    # TFLOP/s idle, measured on this project's 2-core machines): such a figure serves this run
-    # only, said as such, and the next run measures again.
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cores and not cache_when_busy:
-        _CPU_PEAK_SOURCE = (f"measured now on busy cores (load {load:.1f} on {cores}): an underestimate, so MFU reads "
-                            "high; not cached")
-        return _CPU_PEAK
-    _CPU_PEAK_SOURCE = f"measured now, cached in {path}"
+    record = {"flops_per_second": _CPU_PEAK, "dtype": "float32", "measured_at": time.time(), "machine": _machine()}
+    if busy:
+        record["busy"] = busy
+        _CPU_PEAK_SOURCE = f"measured now on busy cores ({busy}): an underestimate, so MFU reads high"
+    else:
+        _CPU_PEAK_SOURCE = "measured now on idle cores"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"flops_per_second": _CPU_PEAK, "dtype": "float32", "measured_at": time.time()}))
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record))
         tmp.replace(path)  # atomic: concurrent processes never read half a file
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next time
+    except OSError as e:
+        _CPU_PEAK_SOURCE += f"; not cached ({path}: {e.strerror}), so the next run measures again"
+        return _CPU_PEAK
+    _CPU_PEAK_SOURCE += (f"; cached in {path} so that runs compare, until a run starts on idle cores" if busy
+                         else f"; cached in {path} for every later run here")
     return _CPU_PEAK
 
 
