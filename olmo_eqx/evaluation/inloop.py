@@ -150,6 +150,9 @@ class InLoopDownstream:
     def run(self, step: int, model: eqx.Module, write: Callable[[dict], None], say: Callable[[str], None]) -> dict:
         """Score every task on `model` at `step`; one metrics record (also returned) to `write`."""
         assert self.scorer is not None, "attach() first"
+        if not self.seconds:  # else the first evaluation's compiles look like a hang
+            say(f"step {step:>6} | downstream: scoring {len(self.tasks)} tasks, {sum(t.n_docs for t in self.tasks):,} "
+                f"questions (the first evaluation compiles each batch shape)")
         started = time.perf_counter()
         max_length = self.settings.max_length or model.config.max_sequence_length
         rows = [evaluate_task(self.scorer, model, self.tokenizer, task, self.batch_size, max_length, encoded)[0]
