@@ -31,6 +31,7 @@ from olmo_eqx.models.zoo import ZOO
 from olmo_eqx.run_dir import default_run_dir
 from olmo_eqx.sharding import MeshConfig
 from olmo_eqx.stages import stage_config_class, stage_entry_points
+from olmo_eqx.train.downstream import DownstreamConfig
 from olmo_eqx.train.gap_alarm import GapAlarmConfig
 from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.schedules import ScheduleConfig
@@ -135,6 +136,10 @@ class TrainerConfig:
     eval_every: int = 50
     # Held-out batches per evaluation (each of the global batch size).
     eval_batches: int = 8
+    # Downstream tasks (`downstream`) on the live model every this many steps and at the last
+    # step, as OLMo-core's recipe does (every 10,000 steps); 0 disables them.
+    downstream_every: int = 0
+    downstream: DownstreamConfig = DownstreamConfig()
     # Gradient accumulation: the global batch is split into this many sequential slices, so
     # the batch (and the recipe) stays fixed when fewer devices hold less at a time.
     micro_batches: int = 1
@@ -168,6 +173,8 @@ class TrainerConfig:
             raise ValueError(f"log_every={self.log_every} must be >= 1")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ValueError("eval_every must be >= 0 and eval_batches >= 1")
+        if self.downstream_every < 0:
+            raise ValueError(f"downstream_every={self.downstream_every} must be >= 0 (0: no downstream tasks)")
         if self.max_consecutive_skips < 0:
             raise ValueError(f"max_consecutive_skips={self.max_consecutive_skips} must be >= 0")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:

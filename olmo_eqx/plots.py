@@ -54,14 +54,41 @@ def _finite(xs, ys):
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _downstream_curves(records: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{"accuracy" | "bits per byte": {"<group>/<metric>": [(step, mean score)]}} of the in-loop
+    downstream records (`downstream_groups`, olmo_eqx.evaluation.inloop)."""
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in records:
+        for name, value in (r.get("downstream_groups") or {}).items():
+            panel = "bits per byte" if name.endswith("/bpb") else "accuracy"
+            panels.setdefault(panel, {}).setdefault(name, []).append((r["step"], value))
+    return panels
+
+
 def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path]:
     """Train loss per step, held-out loss per set at each evaluation, LR on a second axis and
-    gap-alarm events as vertical lines. None when there is nothing to draw."""
+    gap-alarm events as vertical lines; below it, when the loop scored downstream tasks, one
+    curve per task group (accuracy and bits per byte apart). None when there is nothing to draw."""
     train = _train_records(records)
     if not train:
         return None
-    figure = _figure(figsize=(8, 4.5))
-    axis = figure.subplots()
+    downstream = _downstream_curves(records)
+    if downstream:
+        figure = _figure(figsize=(9, 8))
+        panels = sorted(downstream)  # accuracy, then bits per byte
+        grid = figure.subplot_mosaic([["loss"] * len(panels), panels], height_ratios=[1.2, 1])
+        axis, lower = grid["loss"], [grid[panel] for panel in panels]
+        for panel in panels:
+            for i, (name, points) in enumerate(sorted(downstream[panel].items())):
+                grid[panel].plot(*_finite(*zip(*sorted(points))), marker="o", markersize=3, linewidth=1.2,
+                                 color=f"C{i % 10}", label=name)
+            grid[panel].set_title(f"downstream {panel} (mean primary metric per task group)", fontsize=9)
+            grid[panel].set_xlabel("step")
+            grid[panel].grid(alpha=0.3)
+            grid[panel].legend(fontsize=7)
+    else:
+        figure = _figure(figsize=(8, 4.5))
+        axis, lower = figure.subplots(), []
     steps, losses = _finite([r["step"] for r in train], [r["loss"] for r in train])
     axis.plot(steps, losses, color="tab:blue", linewidth=1.0, label="train loss (per step)")
     sets: dict[str, list[tuple[int, float]]] = {}
@@ -87,6 +114,10 @@ def loss_plot(records: list[dict], path: Path, title: str = "") -> Optional[Path
     axis.legend(lines[0] + lr_lines[0], lines[1] + lr_lines[1], fontsize=8, loc="upper right")
     axis.grid(alpha=0.3)
     axis.set_title(title or "loss", fontsize=10)
+    for below in lower:  # the same steps as the loss panel, and the alarms where they fired
+        below.set_xlim(axis.get_xlim())
+        for r in alarms:
+            below.axvline(r["step"], color="red", linestyle="--", linewidth=1.0)
     return _save(figure, path)
 
 

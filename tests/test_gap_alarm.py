@@ -14,6 +14,8 @@ from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.train.gap_alarm import GapAlarm, GapAlarmConfig, message, warn
 from olmo_eqx.train.loop import train
 
+from evalhelp import write_toy_tasks
+
 
 def feed(alarm: GapAlarm, train_losses, heldout_losses, steps_per_eval=10):
     """Feed `steps_per_eval` training losses per evaluation; the steps at which it fired."""
@@ -111,9 +113,12 @@ def test_warning_is_loud_and_says_what_to_check():
 
 
 def test_loop_alarms_on_a_planted_repeating_stream(tmp_path, capsys):
-    """8 instances of 64 tokens, batch 8: every step sees the same data. The nano model
-    memorises them (training loss falls fast) while the embedded held-out loss flattens."""
+    """8 instances of 64 tokens, batch 8: every step sees the same data (the seed's failure).
+    The nano model memorises them (training loss falls fast) while the embedded held-out loss
+    flattens, and the in-loop downstream tasks, scored at the same steps, get no better: the
+    two signals a user reads together (docs/evaluation.md, "In the training loop")."""
     corpus = embedded_corpus()
+    tasks = write_toy_tasks(tmp_path / "tasks")
     repeating = tmp_path / "repeating.npy"  # headerless token file, like OLMo-core's
     np.fromfile(corpus.train_files[0], dtype=np.uint16)[: 8 * 64].tofile(repeating)
     config = compose_config(
@@ -131,6 +136,11 @@ def test_loop_alarms_on_a_planted_repeating_stream(tmp_path, capsys):
             "schedule.warmup_steps=1",
             "optim.lr=1e-2",
             "checkpoint.every=0",
+            "trainer.downstream_every=3",
+            "trainer.downstream.tasks=[toy_qa/rc_0shot,toy_wino/rc_0shot]",  # short: one small batch each
+            f"trainer.downstream.tasks_dir={tasks}",
+            "trainer.downstream.batch_size=8",
+            f"trainer.downstream.tokenizer={corpus.tokenizer_path}",
         ]
     )
     run_dir = tmp_path / "run"
@@ -140,6 +150,15 @@ def test_loop_alarms_on_a_planted_repeating_stream(tmp_path, capsys):
     assert alarms, [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
     assert alarms[0]["gap_alarm"]["train_drop"] > 0.5
     assert "GENERALISATION-GAP ALARM" in capsys.readouterr().err
+    # Over the alarm's window the downstream curve is flat or worse: no task's gold answers got
+    # likelier by more than a tenth of what training loss fell (in nats per token, bpb x ln 2).
+    window = alarms[0]["gap_alarm"]
+    downstream = {r["step"]: r["downstream"] for r in records if "downstream" in r}
+    assert sorted(downstream) == [3, 6, 9, 12]
+    first, last = downstream[window["from_step"]], downstream[window["to_step"]]
+    gains = {task: (first[task]["bpb"] - last[task]["bpb"]) * math.log(2) for task in first}
+    assert max(gains.values()) < 0.1 * window["train_drop"], (gains, window["train_drop"])
+    assert all(last[t][m] <= first[t][m] for t in first for m in first[t] if m != "bpb"), (first, last)  # accuracy
 
 
 def test_thresholds_are_config_keys():

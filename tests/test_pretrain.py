@@ -21,6 +21,7 @@ from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.train.loop import TrainError, train
 
 from clihelp import PLOT, TINY, olmo_eqx, xla_flags
+from evalhelp import TOY_TASKS, write_toy_tasks
 from localcluster import launch_local_cluster
 
 
@@ -244,6 +245,10 @@ def test_two_processes_train_like_one(uninterrupted, tmp_path, launcher):
     by JAX's own variables, or by the ones SLURM sets for 2 tasks (what a submitit_slurm job's
     tasks see), which jax's SLURM detection turns into the same runtime."""
     args = [sys.executable, "-m", "olmo_eqx", *TINY, "trainer.stop_at=4", "trainer.eval_every=0", f"hydra.run.dir={tmp_path}"]
+    if launcher == "jax":  # and downstream tasks in the loop: every process scores its rows, one record
+        tasks = write_toy_tasks(tmp_path / "toy_tasks")
+        args += ["trainer.downstream_every=4", f"trainer.downstream.tasks={TOY_TASKS}",
+                 f"trainer.downstream.tasks_dir={tasks}", "trainer.downstream.batch_size=8"]
     processes = launch_local_cluster(args, merge_stderr=True, launcher=launcher)
     outputs = [p.communicate(timeout=240)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
@@ -254,3 +259,18 @@ def test_two_processes_train_like_one(uninterrupted, tmp_path, launcher):
     for step in range(1, 5):  # 8 devices vs 2 x 2: equal up to float32 reduction order
         assert distributed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-5)
     assert checkpoint_steps(tmp_path) == [4]
+    if launcher == "jax":
+        (record,) = [json.loads(line) for line in lines if '"downstream"' in line]
+        assert record["step"] == 4 and "downstream, 3 tasks" in outputs[0] and "downstream" not in outputs[1]
+        # The same scores as one process (8 devices) gives the saved step-4 weights.
+        from olmo_eqx.evaluation import Scorer, TextTokenizer, evaluate_task, load_model, locate, read_task
+        from olmo_eqx.sharding import MeshConfig, make_mesh
+
+        mesh = make_mesh(MeshConfig())
+        model = load_model(locate(str(tmp_path)), mesh)
+        tokenizer = TextTokenizer(embedded_corpus().tokenizer_path)
+        for name, scores in record["downstream"].items():
+            row, _ = evaluate_task(Scorer(mesh), model, tokenizer, read_task(tasks, name), 8,
+                                   model.config.max_sequence_length)
+            assert scores["bpb"] == pytest.approx(row["bpb"], rel=1e-5)
+            assert all(row[metric] == pytest.approx(value, abs=1e-6) for metric, value in scores.items())

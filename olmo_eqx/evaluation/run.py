@@ -46,19 +46,29 @@ def find_tokenizer(location: CheckpointLocation, explicit: Optional[str], config
     fetched once into the cache: `olmo_eqx.data.remote.local_copy`), else the HF directory's,
     else the training data's (the embedded corpus's when the checkpoint, or else this run,
     trained on it)."""
-    if explicit and is_url(explicit):
+    if explicit:
+        return explicit_tokenizer(explicit)
+    if location.kind == "hf" and (location.directory / "tokenizer.json").is_file():
+        return location.directory / "tokenizer.json"
+    return data_tokenizer((stored_run_config(location) or {}).get("data") or asdict(config.data), vocab_size)
+
+
+def explicit_tokenizer(explicit: str) -> Path:
+    """A tokenizer.json named by a setting: a path, or a URL fetched once into the cache."""
+    if is_url(explicit):
         try:
             return local_copy(explicit, "tokenizer")
         except DataFileError as e:
             raise EvalError(str(e)) from None
-    if explicit:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise EvalError(f"tokenizer {explicit} does not exist; give the model's tokenizer.json")
-        return path
-    if location.kind == "hf" and (location.directory / "tokenizer.json").is_file():
-        return location.directory / "tokenizer.json"
-    data = (stored_run_config(location) or {}).get("data") or asdict(config.data)
+    path = Path(explicit).expanduser()
+    if not path.is_file():
+        raise EvalError(f"tokenizer {explicit} does not exist; give the model's tokenizer.json")
+    return path
+
+
+def data_tokenizer(data: dict, vocab_size: int) -> Optional[Path]:
+    """The tokenizer.json of training data `data` (a `data` config as a dict): `tokenizer` when
+    it is a file, else the embedded corpus's when the data is that corpus and the sizes agree."""
     if data.get("tokenizer") and Path(str(data["tokenizer"])).is_file():
         return Path(data["tokenizer"])
     if data.get("source") == "embedded":

@@ -225,6 +225,11 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         mesh = make_mesh(config.mesh)
         schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
         check_loggers(config.trainer.loggers)
+        downstream = None
+        if config.trainer.downstream_every:  # tasks and tokenizer read (or refused) before anything runs
+            from olmo_eqx.evaluation.inloop import InLoopDownstream
+
+            downstream = InLoopDownstream.from_config(config, config.model.vocab_size)
     except (DataFileError, ValueError, ImportError) as e:
         raise TrainError(str(e)) from e
     rules = ShardingRules()
@@ -263,7 +268,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
                              mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started,
-                             health=health)
+                             health=health, downstream=downstream)
                 loop.banner(mesh)
                 summary = loop.run()
             except DataFileError as e:  # token ids out of range, found as the batch is read
@@ -287,7 +292,7 @@ class _Loop:
     carries between steps lives on this object, each piece of host-side work is one method."""
 
     def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule,
-                 checkpointer, started, health: SaveHealth):
+                 checkpointer, started, health: SaveHealth, downstream=None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
         self.start_step, self.started = start_step, started
         trainer, data = config.trainer, config.data
@@ -303,6 +308,10 @@ class _Loop:
             ]
         self.train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
         self.eval_step = make_eval_step(mesh, rules)
+        # Downstream tasks on the live model (olmo_eqx.evaluation.inloop), or None.
+        self.downstream = downstream
+        if downstream is not None:
+            downstream.attach(mesh, rules)
 
         self.model_flops = float(flops_per_token(config.model, data.sequence_length))
         self.peak = peak_flops_per_device()
@@ -481,6 +490,8 @@ class _Loop:
             "checkpoint": str(self.checkpointer.directory / str(end_step)) if diverged is None else None,
             "run_dir": str(self.out.path),
         }
+        if self.downstream is not None:
+            summary.update(self.downstream.summary())
         if diverged is not None:
             summary["diverged"] = diverged
         return summary
@@ -523,12 +534,16 @@ class _Loop:
                     save_now = bool(self.config.checkpoint.every) and step % self.config.checkpoint.every == 0
                     # A step is checked by the divergence guard before it is saved or evaluated.
                     log_now = step == self.start_step + 1 or step % trainer.log_every == 0 or step == self.end_step
-                    if log_now or evaluate_now or save_now:
+                    downstream_now = self.downstream is not None and self.downstream.due(step, self.end_step)
+                    if log_now or evaluate_now or save_now or downstream_now:
                         self.record(step, metrics, boundary=True)
                     else:
                         pending = (step, metrics)
                     if evaluate_now:
                         self.run_eval(step)
+                    if downstream_now:
+                        self.downstream.run(step, self.state.model, self.write, self.out.print)
+                        self.throughput.pause()
                     if save_now:
                         self.save(step)
                     # Every process must stop at the same step: agree (a collective) at log steps.
