@@ -33,8 +33,7 @@ COMMON = {
 }
 
 # The in-loop downstream evaluator's "fast" task set (OLMo-core's task names), the same in the 7B
-# stage-1 and the 32B scripts. Not yet a setting here: in-loop downstream evaluation is another
-# change's; its presets can be held to this list.
+# stage-1 and the 32B scripts (`trainer.downstream.tasks` of those presets).
 FAST_TASKS = (
     "arc_challenge_test_bpb_5shot", "arc_challenge_test_mc_5shot_fast", "arc_easy_test_bpb_5shot",
     "arc_easy_test_mc_5shot_fast", "hellaswag_bpb_5shot", "mmlu_humanities_test_bpb_5shot",

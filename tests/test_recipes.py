@@ -68,8 +68,12 @@ def test_each_preset_is_its_official_script_setting_for_setting(recipe):
     # (Stage 3 evaluates once, at its last step: the stage compares held-out loss before and after.)
     without_evaluator = trainer.steps if STAGE[recipe] == "long_context" else 0
     assert trainer.eval_every == (script["lm_evaluator"][1] if script["lm_evaluator"] else without_evaluator)
+    # In-loop downstream evaluation: the script's cadence and its "fast" tasks (those with OLMES
+    # request files: not its 8 MMLU tasks), whole tasks, with the dolma2 tokenizer.
+    assert trainer.downstream_every == (script["downstream_eval_interval"] or 0)
     if script["downstream_eval_interval"] is not None:
-        assert script["downstream_eval_interval"] == script["lm_evaluator"][1]
+        assert sorted(trainer.downstream.tasks) == sorted(t for t in script["downstream_tasks"] if not t.startswith("mmlu_"))
+        assert trainer.downstream.limit is None and "dolma2-tokenizer" in trainer.downstream.tokenizer
     assert ckpt.every == (script["ephemeral_save_interval"] or script["save_interval"])
     assert ckpt.keep_every == script["save_interval"] and ckpt.keep_last == 1
     # Layout on the script's GPUs: bf16 compute over float32 weights (reductions in float32),
