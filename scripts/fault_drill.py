@@ -160,7 +160,7 @@ def drill_issue_11(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (d / "run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid}))
-    r = run(d, "trainer.steps=25")
+    r = run(d, "trainer.steps=25", "checkpoint.accept_changes=[trainer.steps]")
     rows.append(("stale lock (dead pid, same host)", f"exit {r.returncode}: {said(r)}", r.returncode == 0 and 25 in steps(d)))
 
     # Storage.
@@ -210,7 +210,7 @@ def drill_issue_25(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     d = copy("partial_line")
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"step": 21, "lo')
-    r = run(d, "trainer.steps=25")
+    r = run(d, "trainer.steps=25", "checkpoint.accept_changes=[trainer.steps]")
     aside = list(d.glob("metrics.jsonl.partial-*"))
     rows.append(("partial last line in metrics.jsonl", f"exit {r.returncode}, set aside {[p.name for p in aside]}",
                  r.returncode == 0 and len(aside) == 1 and (d / "loss.png").exists()))

@@ -43,7 +43,7 @@ from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
 from olmo_eqx.checkpoint_storage import check_storage
 from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
-from olmo_eqx.config import Config, config_to_dict
+from olmo_eqx.config import Config, config_to_dict, resume_changes
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
 from olmo_eqx.data.sampler import LoaderState
@@ -59,7 +59,7 @@ from olmo_eqx.run_dir import CONFIG_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
 from olmo_eqx.sinks import METRICS_FILE, check_loggers
-from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite
+from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite, runaway_loss_limit
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
@@ -141,7 +141,7 @@ def _restore_or_init(
             f"{checkpointer.directory} already holds checkpoints (latest step {steps[-1]}) and "
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
-    state, loader_state, start_step, health = None, None, 0, SaveHealth()
+    state, loader_state, start_step, health, stored_config = None, None, 0, SaveHealth(), None
     if steps:
         target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
         unusable = []
@@ -154,6 +154,7 @@ def _restore_or_init(
                 unusable.append(f"{e}; set aside: {checkpointer.set_aside(step, e.reason)}")
                 continue
             state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
+            stored_config = restored.config
             health = SaveHealth.resumed(step, restored.health)
             break
         fallback = f"falling back to step {start_step}" if state is not None else "no usable checkpoint is left"
@@ -177,9 +178,24 @@ def _restore_or_init(
         raise TrainError(str(e)) from e
     if loader.step != start_step:
         raise TrainError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
+    if stored_config is not None and (changed := resume_changes(stored_config, config)):
+        notes.append(_resume_changes_note(changed, config.checkpoint.accept_changes, checkpointer.directory / str(start_step)))
     if state is None:
         state = init_state(config, mesh, rules)
     return state, loader, start_step, health
+
+
+def _resume_changes_note(changed: dict, accepted: tuple[str, ...], checkpoint: Path) -> str:
+    """The line a resume with changed settings prints; raises `TrainError` (before anything in
+    the run dir changes) unless checkpoint.accept_changes names every changed key."""
+    said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+    refused = [key for key in changed if key not in accepted]
+    if refused:
+        raise TrainError(
+            f"cannot resume from {checkpoint} with changed settings: {said}. Give the checkpoint's values to "
+            f"continue that run, or add checkpoint.accept_changes=[{','.join(changed)}] to resume with the new ones"
+        )
+    return f"Resuming with changed settings (checkpoint.accept_changes): {said}"
 
 
 @contextmanager
@@ -316,9 +332,12 @@ class _Loop:
             history=int(jax.device_get(state.history_count)),
             min_history=config.optim.skip_history_needed if config.optim.skip_step_std else None,
             max_consecutive_skips=trainer.max_consecutive_skips,
+            loss_limit=runaway_loss_limit(config.model.vocab_size, trainer.runaway_loss_margin),
+            runaway_steps=trainer.runaway_loss_steps,
         )
         # Which saves are known good: retention keeps the last of them through any trouble.
         self.health = health
+        health.loss_limit = self.guard.loss_limit
         checkpointer.protect(health.last_good)
         self.throughput = Throughput(data.global_batch_size * data.sequence_length)
         self.recent_losses: list[float] = []

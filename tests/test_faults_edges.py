@@ -1,0 +1,115 @@
+"""Issue 42's faults at the edges, with real processes, files and servers: settings checked up
+front, a manifest listing a file twice, config changes at resume, a finite loss that runs away,
+misbehaving range servers. Each test asserts the line the user sees, the exit status and what
+is left on disk; the CLI runs are the nano model on one CPU device (tests/clihelp.py).
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from olmo_eqx.config import ConfigError, compose_config
+from olmo_eqx.data.mixes import read_mix
+from olmo_eqx.data.token_files import DataFileError
+from olmo_eqx.train.divergence import DivergenceGuard, SaveHealth, runaway_loss_limit
+
+from clihelp import TINY, olmo_eqx
+from test_faults import steps_in, tree_hashes
+
+# ---------------------------------------------------------------------------------------------
+# Settings checked before any work
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
+        ("optim.lr=0", "optim.lr=0.0 must be > 0"),
+        ("optim.lr=nan", "optim.lr=nan must be > 0"),
+        ("optim.b2=1.5", "optim.b2=1.5 must be in [0, 1)"),
+        ("schedule.final_lr_ratio=2", "schedule.final_lr_ratio=2.0 must be in [0, 1]"),
+        ("data.remote_timeout_s=0", "data.remote_timeout_s=0.0 must be > 0"),
+        ("trainer.runaway_loss_steps=0", "trainer.runaway_loss_steps=0 must be >= 1"),
+        ("schedule.warmup_steps=12", "schedule.warmup_steps=12 must be below the schedule's length 12"),
+    ],
+)
+def test_numeric_settings_are_checked_before_any_work(override, message):
+    with pytest.raises(ConfigError) as refused:
+        compose_config([*TINY, override])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_negative_learning_rate_is_one_line_and_exit_2(tmp_path):
+    result = olmo_eqx(*TINY, "optim.lr=-1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert "error: optim.lr=-1.0 must be > 0" in result.stderr.splitlines() and "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_manifest_listing_a_file_twice_is_refused_naming_both_lines(tmp_path):
+    manifest = tmp_path / "mix.txt"
+    manifest.write_text("web,a/{TOKENIZER}/p0.npy\nweb,a/{TOKENIZER}/p1.npy\n# note\ncode,a/{TOKENIZER}/p0.npy\n")
+    with pytest.raises(DataFileError) as refused:
+        read_mix(manifest, tmp_path, "tok")
+    assert str(refused.value) == (
+        f"{manifest}:4: a/tok/p0.npy is already listed on line 1; a file listed twice would get double weight: "
+        "remove one of the two lines"
+    )
+    # The same file name in two directories is two files; at a URL root too.
+    manifest.write_text("web,a/{TOKENIZER}/p0.npy\nweb,b/{TOKENIZER}/p0.npy\n")
+    assert [len(s.paths) for s in read_mix(manifest, "http://127.0.0.1:1/root", "tok")] == [2]
+    manifest.write_text("web,a/p0.npy\nweb,./a/p0.npy\n")
+    with pytest.raises(DataFileError, match="already listed on line 1"):
+        read_mix(manifest, tmp_path, "tok")
+
+
+# ---------------------------------------------------------------------------------------------
+# Runaway losses
+
+
+def test_the_guard_stops_a_finite_runaway_and_save_health_never_trusts_it():
+    limit = runaway_loss_limit(4096, 1.0)
+    assert limit == pytest.approx(math.log(4096) + 1.0) and runaway_loss_limit(4096, None) == math.inf
+    guard = DivergenceGuard(history=0, min_history=20, max_consecutive_skips=5, loss_limit=limit, runaway_steps=3)
+    assert guard.observe(1, 8.3, 1.0, skipped=False) is None
+    assert guard.observe(2, 50.0, 9.0, skipped=False) is None
+    assert guard.observe(3, 9.0, 1.0, skipped=False) is None  # one healthy step restarts the count
+    assert guard.observe(4, 1120.0, 1e3, skipped=False) is None
+    assert guard.observe(5, 1e6, 1e5, skipped=False) is None
+    reason = guard.observe(6, 7e9, 1e7, skipped=False)
+    assert reason.startswith(f"the loss ran away: above {limit:.2f}") and "3 steps in a row up to step 6" in reason
+    health = SaveHealth(last_good=None, unconfirmed=[4], loss_limit=limit)
+    health.observe(5, 1e6, 1e5, skipped=False)  # finite, but not healthy: step 4 stays unconfirmed
+    assert (health.last_good, health.unconfirmed) == (None, [4])
+    health.observe(6, 3.0, 1.0, skipped=False)
+    assert (health.last_good, health.unconfirmed) == (4, [])
+
+
+def test_resume_changes_are_refused_unless_named_and_a_runaway_names_a_healthy_checkpoint(tmp_path):
+    """One run, resumed twice: with lr x10 and 100 steps (refused, nothing in the run dir
+    changes), then with lr x10 accepted by name and a runaway limit every step exceeds: the stop
+    names step 1, the last save a healthy step followed, not the newer saves."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    common = ["trainer.eval_every=0", "checkpoint.every=1", f"hydra.run.dir={run_dir}"]
+    first = olmo_eqx(*TINY, *common, "trainer.stop_at=2")
+    assert first.returncode == 0 and steps_in(checkpoints) == [1, 2], first.stderr
+    before = tree_hashes(run_dir)
+    changed = olmo_eqx(*TINY, *common, "optim.lr=3e-2", "trainer.steps=100")
+    assert changed.returncode == 2, changed.stderr
+    line = [line for line in changed.stderr.splitlines() if line.strip()][-1]
+    assert f"cannot resume from {checkpoints / '2'} with changed settings: optim.lr 0.003 -> 0.03, " \
+           "trainer.steps 12 -> 100." in line
+    assert "add checkpoint.accept_changes=[optim.lr,trainer.steps] to resume with the new ones" in line
+    assert tree_hashes(run_dir) == before
+    # Accepted by name; every loss is above ln(4096) - 6 = 2.3, so the loss "runs away" at once.
+    bad = olmo_eqx(*TINY, *common, "optim.lr=3e-2", "checkpoint.accept_changes=[optim.lr]",
+                   "trainer.runaway_loss_margin=-6")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "Resuming with changed settings (checkpoint.accept_changes): optim.lr 0.003 -> 0.03" in bad.stdout
+    assert "training diverged: the loss ran away: above 2.32 (ln(vocab size) + trainer.runaway_loss_margin) " \
+           "for 3 steps in a row up to step 5" in bad.stderr
+    assert f"the last good checkpoint is {checkpoints / '1'} (step 1); a rerun resumes from it" in bad.stderr
+    assert steps_in(checkpoints) == [1]
+    assert json.loads((run_dir / "summary.json").read_text())["diverged"]["last_good_step"] == 1
