@@ -83,7 +83,8 @@ class DataConfig:
     # Token files at URLs (http(s)://, s3://, gs://; docs/data.md "Remote token files"): a
     # transient failure (5xx, timeout, reset) is retried up to remote_attempts times in all,
     # after jittered backoffs doubling from remote_backoff_s; each request waits at most
-    # remote_timeout_s; remote_concurrency range requests are kept in flight per process.
+    # remote_timeout_s (a wall-clock deadline: headers and body); remote_concurrency range requests
+    # are kept in flight per process.
     remote_attempts: int = 8
     remote_backoff_s: float = 0.1
     remote_timeout_s: float = 60.0

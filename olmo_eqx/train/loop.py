@@ -7,7 +7,8 @@
 
 Resume is automatic: a checkpoint holds the weights, optimiser state, step and data position
 together, so a rerun with the same output directory continues bit for bit. SIGTERM/SIGINT
-finish the step in flight, save a checkpoint and return normally (exit status 0).
+finish the step in flight (or, while the loop waits on a slow data server, cut the reads and
+stop at the last step trained), save a checkpoint and return normally (exit status 0).
 
 What goes wrong stops the run with one line (a `TrainError`) and nothing lost: a second run
 on the same run dir (`run_lock`), an unwritable or too small checkpoint dir (before
@@ -45,7 +46,7 @@ from olmo_eqx.checkpoint_storage import check_storage
 from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
 from olmo_eqx.config import Config, config_to_dict, resume_changes
 from olmo_eqx.data.instances import InstanceDataset
-from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
+from olmo_eqx.data.loader import DataLoader, Interrupted, Prefetcher, global_batch_arrays
 from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.remote import SizeCache
 from olmo_eqx.data.sources import build_datasets, document_options, remote_sizes  # noqa: F401  (also imported from here)
@@ -523,10 +524,17 @@ class _Loop:
         workers = depth if self.loader.dataset.reader is not None else 1
         prefetcher = Prefetcher(self.loader, depth=depth, transform=to_global, workers=workers)
         with stop_on_signals(self.out.print) as stop, prefetcher as batches:
+            if jax.process_count() == 1:  # several processes must agree on their last step: at log steps
+                prefetcher.interrupted = lambda: bool(stop)
             try:
                 for step in range(self.start_step + 1, self.end_step + 1):
                     profiler.before_step(step)
-                    self.state, metrics = self.train_step(self.state, next(batches))
+                    try:
+                        batch = next(batches)
+                    except Interrupted:  # a signal while a slow server held the batch: stop at the last step
+                        interrupted, self.end_step = stop.signal, step - 1
+                        break
+                    self.state, metrics = self.train_step(self.state, batch)
                     profiler.after_step(step, metrics)
                     checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
                     if pending is not None:  # the previous step's metrics, one step late
@@ -553,7 +561,7 @@ class _Loop:
                     self.record(*pending, boundary=False)
             finally:
                 profiler.stop()  # a run stopped inside the profiled range still leaves its trace
-        if self.start_step >= self.end_step:
+        if self.start_step >= self.end_step and interrupted is None:
             self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
                            f"{trainer.stop_at or trainer.steps}")
             if self.eval_batches:
