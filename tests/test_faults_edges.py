@@ -113,3 +113,72 @@ def test_resume_changes_are_refused_unless_named_and_a_runaway_names_a_healthy_c
     assert f"the last good checkpoint is {checkpoints / '1'} (step 1); a rerun resumes from it" in bad.stderr
     assert steps_in(checkpoints) == [1]
     assert json.loads((run_dir / "summary.json").read_text())["diverged"]["last_good_step"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Full and unwritable run dirs: one line naming the file, exit 2, the checkpoints intact
+
+# A child that may not grow any file past LIMIT bytes (writes then fail with EFBIG, as ENOSPC
+# on a full disk); SIGXFSZ ignored so the write returns the error instead of killing it.
+LIMITED = (
+    "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+)
+
+
+def test_a_full_metrics_file_stops_the_run_in_one_line_and_the_rerun_resumes(tmp_path):
+    """metrics.jsonl reaches the file size limit at step 7 (after checkpoint 6): one line naming
+    it, exit 2, checkpoint 6 intact; with room again, the rerun resumes from step 6."""
+    from test_faults import run as run_with_limit
+
+    run_dir = tmp_path / "run"
+    common = ["trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    assert olmo_eqx(*TINY, *common, "trainer.stop_at=6").returncode == 0
+    metrics = run_dir / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    limit = 64 << 20  # far above any checkpoint file of the nano model
+    metrics.write_bytes(kept + b'{"pad": "' + b"x" * (limit - len(kept) - 200) + b'"}\n')
+    full = run_with_limit(run_dir, "trainer.eval_every=0", env={}, limit_file_bytes=limit)
+    assert full.returncode == 2, full.stderr
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: cannot write {metrics}: File too large: free space on its disk (or make the run dir "
+                      "writable), then rerun to resume; the checkpoints are intact"], full.stderr
+    assert "Traceback" not in full.stderr and steps_in(run_dir / "checkpoints") == [6]
+    metrics.write_bytes(kept)
+    again = olmo_eqx(*TINY, *common)
+    assert again.returncode == 0 and f"Resuming from {run_dir / 'checkpoints' / '6'}" in again.stdout, again.stderr
+
+
+def test_a_tensorboard_sink_on_a_full_disk_raises_in_one_line_instead_of_hanging(tmp_path):
+    """tensorboardX's writer thread used to die on ENOSPC and block the loop for good; the
+    events are now written in the caller's thread, so the failure is the run's one line."""
+    import subprocess
+    import sys
+
+    script = LIMITED.format(limit=4096) + (
+        "from pathlib import Path\n"
+        "from olmo_eqx.run_dir import RunDir\n"
+        "from olmo_eqx.sinks import SinkError\n"
+        "out = RunDir(Path(sys.argv[1]), loggers=('tensorboard',))\n"
+        "try:\n"
+        "    for step in range(1, 100000):\n"
+        "        out.metrics({'step': step, 'loss': 3.0, 'grad_norm': 1.0, 'lr': 1e-3})\n"
+        "except SinkError as e:\n"
+        "    out.close()\n"
+        "    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script.replace("; from", "\nfrom"), str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    events = next((tmp_path / "run" / "tensorboard").iterdir())
+    assert result.stdout.strip() == (f"cannot write {events}: File too large: free space on its disk (or make the run "
+                                     "dir writable), then rerun to resume; the checkpoints are intact")
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path):
+    # Root writes through chmod, so an unwritable place is a path under a regular file.
+    (tmp_path / "a_file").write_text("x")
+    result = olmo_eqx(*TINY, f"hydra.run.dir={tmp_path / 'a_file' / 'run'}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"error: cannot write {tmp_path / 'a_file' / 'run'}: Not a directory: make it writable, or choose another " \
+           "directory (hydra.run.dir=...), then rerun" in result.stderr
