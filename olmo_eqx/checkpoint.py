@@ -671,13 +671,22 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def check_for_errors(self) -> None:
-        """Raise `CheckpointSaveError` now if the save in flight has already failed (cheap)."""
+        """Raise `CheckpointSaveError` now if the save in flight has already failed (cheap).
+
+        A save whose background writes are over is finished here, not at the next save: Orbax's
+        finalising thread may take (and only log) the error of a failed write, which then
+        surfaced one save interval late, and a step on an object store is uploaded as soon as
+        it is complete."""
         try:
             self._manager.check_for_errors()
         except Exception as e:
             if self._saving is None:
                 raise
             self._failed(self._saving, e)
+        # One process only: with several, retention's listing is shared, so every process must
+        # finish a save at the same call (the next save or the end), not when its own writes end.
+        if self._saving is not None and jax.process_count() == 1 and not self._manager.is_saving_in_progress():
+            self.wait_until_finished()
 
     def wait_until_finished(self) -> None:
         """Block until every started save is committed to disk, then apply retention.

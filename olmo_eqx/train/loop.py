@@ -180,13 +180,14 @@ def _restore_or_init(
     if loader.step != start_step:
         raise TrainError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
     if stored_config is not None and (changed := resume_changes(stored_config, config)):
-        notes.append(_resume_changes_note(changed, config.checkpoint.accept_changes, checkpointer.directory / str(start_step)))
+        checkpoint = str(checkpointer.directory / str(start_step))
+        notes.append(_resume_changes_note(changed, config.checkpoint.accept_changes, checkpoint))
     if state is None:
         state = init_state(config, mesh, rules)
     return state, loader, start_step, health
 
 
-def _resume_changes_note(changed: dict, accepted: tuple[str, ...], checkpoint: Path) -> str:
+def _resume_changes_note(changed: dict, accepted: tuple[str, ...], checkpoint: str) -> str:
     """The line a resume with changed settings prints; raises `TrainError` (before anything in
     the run dir changes) unless checkpoint.accept_changes names every changed key."""
     said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
