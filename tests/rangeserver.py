@@ -9,7 +9,7 @@ request, a fraction of answers that are 503, paths answering 404, a server that 
 a given number of requests (killed mid-run), and stop / restart on the same port. Paths in
 `redirects` answer 302 to their target (a hub's `resolve` URL sends clients on like that).
 Misbehaving range answers too: another range than asked (said in Content-Range), more bytes
-than asked, a body trickled a byte at a time; and `on_request(n)`, called before the n-th
+than asked, a body trickled a byte at a time, a store refusing writes (403); and `on_request(n)`, called before the n-th
 request is answered (e.g. to rewrite a file mid-run). Answers carry the file's version as real
 servers do: an ETag and Last-Modified from its mtime and size (as nginx), and GCS's
 `x-goog-generation` (its mtime in ns).
@@ -36,6 +36,7 @@ class RangeServer:
         self.extra_bytes = 0  # append this many bytes to every 206 body (Content-Range as asked)
         self.trickle_s = 0.0  # send 206 bodies one byte every trickle_s seconds
         self.on_request = None  # called with the request count before each read is answered
+        self.refuse_writes = False  # answer GCS uploads, copies and deletes with 403
         self.requests = 0
         self.size_requests = 0  # HEADs and GCS metadata GETs
         self.errors_sent = 0
@@ -113,6 +114,9 @@ class RangeServer:
             self._send(handler, 200, json.dumps({"items": items}).encode())
             return True
         body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        if self.refuse_writes:
+            self._send(handler, 403, b"forbidden")
+            return True
         if method == "POST" and path.startswith("/upload/storage/v1/b/"):
             bucket = path[len("/upload/storage/v1/b/"):].partition("/")[0]
             target = self.root / bucket / query["name"][0]
