@@ -587,10 +587,16 @@ class Checkpointer:
 
         With several processes each checks every P-th file and all share the verdicts (a
         collective): each file is read once, not once per process."""
-        if step in self._verified or self._local is None:
+        if self._local is None:
             return step in self._verified
         if self.remote is not None:
+            # Verified, but its staged copy is gone once uploaded (a killed run's step that the
+            # next writer uploads): restoring it needs the download, or Orbax finds no step.
+            if step in self._verified and (self._local / str(step)).is_dir():
+                return True
             return self._verify_remote(step)
+        if step in self._verified:
+            return True
         try:
             checked = verify_digests(self._local / str(step), (jax.process_index(), jax.process_count()))
             verdict = {"manifest": checked is not None, "mismatch": None}

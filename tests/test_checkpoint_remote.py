@@ -236,8 +236,12 @@ def test_a_save_committed_locally_but_never_uploaded_is_uploaded_by_the_next_wri
     with Checkpointer(url, read_only=True, staging=tmp_path / "r") as reader:
         assert reader.all_steps() == [1]
     with Checkpointer(url, keep_last=3, staging=tmp_path / "s") as second:
-        assert second.all_steps() == [1, 2] and second.verify(2)
-    assert not [p for p in (tmp_path / "s").iterdir() if p.name.isdigit()]
+        assert second.all_steps() == [1, 2]
+        assert not [p for p in (tmp_path / "s").iterdir() if p.name.isdigit()]
+        # The rerun resumes from it (it used to find its staged copy removed by the upload:
+        # FileNotFoundError, issue 42 row 3).
+        target = sharded_abstract_train_state(TINY, OPTIM, mesh, ShardingRules())
+        assert second.restore(target=target).step == 2 and second.verify(2)
 
 
 def test_a_prefix_belongs_to_one_run_dir_on_s3_and_gcs_and_a_store_refusing_writes_is_one_line(
