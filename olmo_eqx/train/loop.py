@@ -258,7 +258,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             check_storage(checkpoint_dir, abstract_train_state(config.model, config.optim))
             if own_dir and ("://" not in checkpoint_dir or checkpoint_dir.startswith(("s3://", "gs://"))):
                 try:
-                    if note := claim_checkpoint_dir(checkpoint_dir if "://" in checkpoint_dir else Path(checkpoint_dir), run_dir):
+                    if note := claim_checkpoint_dir(checkpoint_dir, run_dir):
                         notes = (*notes, note)
                 except CheckpointDirOwnedError as e:
                     raise TrainError(str(e)) from e
