@@ -119,6 +119,25 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def last_recorded_step(path: Path) -> Optional[int]:
+    """The step of the last complete record of the JSONL file `path` (None: no file, or no such
+    record near its end). Reads only the file's last 64 KiB: metrics.jsonl can be large."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
+
+
 class JsonlSink:
     """metrics.jsonl: appended, so a resumed run continues it (the later record of a step wins).
     A partial last line left by a killed run is set aside first (`set_aside_partial_line`)."""

@@ -125,7 +125,7 @@ LIMITED = (
 )
 
 
-def test_a_full_disk_stops_the_run_when_it_fails_and_the_rerun_resumes(tmp_path):
+def test_a_full_disk_stops_the_run_when_it_fails_and_the_rerun_resumes(tmp_path, capsys):
     """From checkpoint 6: a save failing at step 12 of 18 is reported at once (not at the next
     save, step 18); metrics.jsonl reaching the file size limit at step 7 is one line naming it;
     checkpoint 6 stays intact throughout, and with room again the rerun resumes from it."""
@@ -144,7 +144,7 @@ def test_a_full_disk_stops_the_run_when_it_fails_and_the_rerun_resumes(tmp_path)
         f"error: saving checkpoint step 12 to {run_dir / 'checkpoints' / '12'} failed: File too large"), errors
     trained = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert 12 <= max(trained) <= 14 and steps_in(run_dir / "checkpoints") == [6]
-    metrics.write_bytes(kept)
+    kept = metrics.read_bytes()
     # metrics.jsonl 200 bytes short of the limit: step 7's record does not fit. In this process
     # (soft limit only, so it is lifted after), no other file it writes comes near 64 MiB.
     limit = 64 << 20
@@ -162,7 +162,11 @@ def test_a_full_disk_stops_the_run_when_it_fails_and_the_rerun_resumes(tmp_path)
                                "writable), then rerun to resume; the checkpoints are intact")
     assert steps_in(run_dir / "checkpoints") == [6]
     metrics.write_bytes(kept)
+    capsys.readouterr()
     assert train(config, run_dir)["start_step"] == 6
+    # The steps the failed save's session trained past checkpoint 6 are said to be trained again.
+    assert (f"{metrics} records steps up to {max(trained)}, past the checkpoint resumed (step 6): steps "
+            f"7-{max(trained)} are trained again") in capsys.readouterr().out
 
 
 def test_a_tensorboard_sink_on_a_full_disk_raises_in_one_line_instead_of_hanging(tmp_path):

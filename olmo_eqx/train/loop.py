@@ -59,7 +59,7 @@ from olmo_eqx.processes import FailureWatch
 from olmo_eqx.run_dir import CONFIG_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
-from olmo_eqx.sinks import METRICS_FILE, check_loggers
+from olmo_eqx.sinks import METRICS_FILE, check_loggers, last_recorded_step
 from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite, runaway_loss_limit
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
@@ -277,6 +277,10 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                 out.write_config(config_dict)
                 if main_process:
                     size_cache.save(remote_sizes(dataset, heldout))
+                recorded = last_recorded_step(out.file(METRICS_FILE)) if main_process else None
+                if recorded is not None and recorded > start_step:  # e.g. a host lost before its upload
+                    notes.append(f"{out.file(METRICS_FILE)} records steps up to {recorded}, past the checkpoint resumed "
+                                 f"(step {start_step}): steps {start_step + 1}-{recorded} are trained again")
                 for note in notes:
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
