@@ -11,8 +11,8 @@ a given number of requests (killed mid-run), and stop / restart on the same port
 Misbehaving range answers too: another range than asked (said in Content-Range), more bytes
 than asked, a body trickled a byte at a time, a store refusing writes (403); and `on_request(n)`, called before the n-th
 request is answered (e.g. to rewrite a file mid-run). Answers carry the file's version as real
-servers do: an ETag and Last-Modified from its mtime and size (as nginx), and GCS's
-`x-goog-generation` (its mtime in ns).
+servers do: an ETag and Last-Modified from its mtime and size (as nginx), and on GCS's paths
+its `x-goog-generation` (its mtime in ns).
 """
 
 import json
@@ -161,11 +161,11 @@ class RangeServer:
         if fail:
             return self._send(handler, 503, b"slow down", head=head)
         parts = urllib.parse.urlsplit(handler.path)
-        path, metadata = urllib.parse.unquote(parts.path), False
+        path, metadata, gcs = urllib.parse.unquote(parts.path), False, False
         for prefix, is_meta in (("/download/storage/v1/b/", False), ("/storage/v1/b/", True)):
             if path.startswith(prefix):  # GCS JSON API: /b/BUCKET/o/OBJECT
                 bucket, _, name = path[len(prefix):].partition("/o/")
-                path, metadata = f"/{bucket}/{name}", is_meta
+                path, metadata, gcs = f"/{bucket}/{name}", is_meta, True
                 break
         if path in self.redirects:
             return self._send(handler, 302, b"", {"Location": self.redirects[path]}, head=head)
@@ -174,8 +174,9 @@ class RangeServer:
             return self._send(handler, 404, b"not found", head=head)
         stat = file.stat()
         size = stat.st_size
-        version = {"ETag": f'"{stat.st_mtime_ns:x}-{size:x}"', "x-goog-generation": str(stat.st_mtime_ns),
-                   "Last-Modified": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(stat.st_mtime))}
+        version = {"ETag": f'"{stat.st_mtime_ns:x}-{size:x}"',
+                   "Last-Modified": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(stat.st_mtime)),
+                   **({"x-goog-generation": str(stat.st_mtime_ns)} if gcs else {})}
         if metadata or head:
             with self._lock:
                 self.size_requests += 1
