@@ -32,7 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
-from olmo_eqx.errors import RunError
+from olmo_eqx.errors import RunError, storage_refusal
 from olmo_eqx.run_dir import SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
 from olmo_eqx.sweep import ERROR_FILE
@@ -203,7 +203,8 @@ def main() -> None:
     try:
         _hydra_main()
     except Exception as e:
-        refusal = None if _USER_WANTS_TRACEBACK else hydra_refusal(e)
+        # A run dir on a read-only or full disk fails in Hydra itself (it writes .hydra/ first).
+        refusal = None if _USER_WANTS_TRACEBACK else hydra_refusal(e) or storage_refusal(e)
         if refusal is None:
             raise
         print(f"error: {refusal}", file=sys.stderr)

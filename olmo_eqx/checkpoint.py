@@ -587,10 +587,16 @@ class Checkpointer:
 
         With several processes each checks every P-th file and all share the verdicts (a
         collective): each file is read once, not once per process."""
-        if step in self._verified or self._local is None:
+        if self._local is None:
             return step in self._verified
         if self.remote is not None:
+            # Verified, but its staged copy is gone once uploaded (a killed run's step that the
+            # next writer uploads): restoring it needs the download, or Orbax finds no step.
+            if step in self._verified and (self._local / str(step)).is_dir():
+                return True
             return self._verify_remote(step)
+        if step in self._verified:
+            return True
         try:
             checked = verify_digests(self._local / str(step), (jax.process_index(), jax.process_count()))
             verdict = {"manifest": checked is not None, "mismatch": None}
@@ -671,13 +677,22 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def check_for_errors(self) -> None:
-        """Raise `CheckpointSaveError` now if the save in flight has already failed (cheap)."""
+        """Raise `CheckpointSaveError` now if the save in flight has already failed (cheap).
+
+        A save whose background writes are over is finished here, not at the next save: Orbax's
+        finalising thread may take (and only log) the error of a failed write, which then
+        surfaced one save interval late, and a step on an object store is uploaded as soon as
+        it is complete."""
         try:
             self._manager.check_for_errors()
         except Exception as e:
             if self._saving is None:
                 raise
             self._failed(self._saving, e)
+        # One process only: with several, retention's listing is shared, so every process must
+        # finish a save at the same call (the next save or the end), not when its own writes end.
+        if self._saving is not None and jax.process_count() == 1 and not self._manager.is_saving_in_progress():
+            self.wait_until_finished()
 
     def wait_until_finished(self) -> None:
         """Block until every started save is committed to disk, then apply retention.

@@ -33,10 +33,15 @@ class CheckpointDirOwnedError(RuntimeError):
     """checkpoint.dir already belongs to another run dir."""
 
 
-def claim_checkpoint_dir(directory: Path, run_dir: Path) -> Optional[str]:
+def claim_checkpoint_dir(directory: Path | str, run_dir: Path) -> Optional[str]:
     """Record `run_dir` as the owner of the checkpoint dir `directory` (process 0, before
     training). Raises `CheckpointDirOwnedError` naming the owner when another run dir that
-    still exists holds it; returns a note when it takes over from one that no longer exists."""
+    still exists holds it; returns a note when it takes over from one that no longer exists.
+    An `s3://` or `gs://` prefix is claimed the same way (`claim_checkpoint_url`)."""
+    if isinstance(directory, str) and "://" in directory:
+        from .checkpoint_remote import claim_checkpoint_url
+
+        return claim_checkpoint_url(directory, Path(run_dir).resolve())
     directory, run_dir = Path(directory), Path(run_dir).resolve()
     owner_file = directory / OWNER_FILE
     note = None

@@ -19,6 +19,9 @@ step and verifies it before Orbax reads it. Layout under the checkpoint URL:
     <url>/set_aside/<step>-<why>-<time>/...   where a marked step's objects are copied (then
                                       removed from <url>/<step>/) only when a new save needs
                                       its step number back.
+    <url>/owner.json                  the run dir that trains into the prefix
+                                      (`claim_checkpoint_url`): another run dir is refused at
+                                      its start, and an upload checks the claim still holds.
 
 Retention deletes a step by removing its `committed.json` first (so a kill mid-delete never
 leaves a step that looks complete), then its other objects; it never removes the newest step
@@ -86,9 +89,11 @@ class S3Objects:
         return self.prefix + name
 
     def _call(self, what: str, fn, **kwargs):
+        import boto3.exceptions
+
         try:
             return fn(**kwargs)
-        except (self._errors.BotoCoreError, self._errors.ClientError, OSError) as e:
+        except (self._errors.BotoCoreError, self._errors.ClientError, boto3.exceptions.Boto3Error, OSError) as e:
             raise ObjectStoreError(
                 f"checkpoint store {self.url}: {what} failed: {type(e).__name__}: {e}. Check the bucket, "
                 "the credentials (AWS_* environment, ~/.aws) and AWS_ENDPOINT_URL"
@@ -201,6 +206,46 @@ def open_store(url: str):
     return S3Objects(url) if url.startswith("s3://") else GcsObjects(url)
 
 
+OWNER_OBJECT = "owner.json"
+# url -> the run dir this process claimed it for: every upload checks the claim still holds.
+_CLAIMED: dict[str, str] = {}
+
+
+def _owned_error(url: str, owner: str, run_dir: str) -> str:
+    return (
+        f"checkpoint.dir={url} belongs to the run dir {owner} (its {OWNER_OBJECT}), not {run_dir}: two run dirs on one "
+        f"checkpoint prefix would resume from and delete each other's steps. Continue that run in {owner}, or give this "
+        f"run another checkpoint.dir (delete {url}/{OWNER_OBJECT} only if that run is yours and done)"
+    )
+
+
+def _owner(store, url: str) -> Optional[str]:
+    if OWNER_OBJECT not in store.list(OWNER_OBJECT):
+        return None
+    try:
+        return str(json.loads(store.get_bytes(OWNER_OBJECT))["run_dir"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def claim_checkpoint_url(url: str, run_dir: Path) -> Optional[str]:
+    """`claim_checkpoint_dir` for an object-store prefix: its `owner.json` object names the run
+    dir that trains into it. Another run dir is refused (`CheckpointDirOwnedError`); whether
+    that one still exists cannot be told from here (it may live on another host), so a prefix is
+    never taken over silently. Raises `ObjectStoreError` when the store cannot be read or written."""
+    from .checkpoint_paths import CheckpointDirOwnedError
+
+    url, run = url.rstrip("/"), str(run_dir)
+    store = open_store(url)
+    owner = _owner(store, url)
+    if owner is not None and owner != run:
+        raise CheckpointDirOwnedError(_owned_error(url, owner, run))
+    if owner is None:
+        store.put_bytes(OWNER_OBJECT, (json.dumps({"run_dir": run, "host": os.uname().nodename}) + "\n").encode())
+    _CLAIMED[url] = run
+    return None
+
+
 class RemoteSteps:
     """The steps of one checkpoint URL: upload, listing, download, marking, deletion."""
 
@@ -226,7 +271,12 @@ class RemoteSteps:
 
     def upload(self, step: int, step_dir: Path) -> dict:
         """Upload the committed local step `step_dir` (which holds its `digests.json`), then its
-        `committed.json` last. Returns the manifest. The sizes the store then lists are checked."""
+        `committed.json` last. Returns the manifest. The sizes the store then lists are checked.
+        A prefix this process claimed for a run dir that another run dir has claimed since (two
+        runs started on it at once) is refused before anything is written."""
+        claimed = _CLAIMED.get(self.url)
+        if claimed is not None and (owner := _owner(self.store, self.url)) not in (None, claimed):
+            raise ObjectStoreError(_owned_error(self.url, owner, claimed))
         manifest = json.loads((step_dir / "digests.json").read_text())
         files = sorted(p for p in step_dir.rglob("*") if p.is_file())
         for path in files:

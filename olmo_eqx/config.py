@@ -84,7 +84,8 @@ class DataConfig:
     # Token files at URLs (http(s)://, s3://, gs://; docs/data.md "Remote token files"): a
     # transient failure (5xx, timeout, reset) is retried up to remote_attempts times in all,
     # after jittered backoffs doubling from remote_backoff_s; each request waits at most
-    # remote_timeout_s; remote_concurrency range requests are kept in flight per process.
+    # remote_timeout_s (a wall-clock deadline: headers and body); remote_concurrency range requests
+    # are kept in flight per process.
     remote_attempts: int = 8
     remote_backoff_s: float = 0.1
     remote_timeout_s: float = 60.0
@@ -118,6 +119,9 @@ class CheckpointConfig:
     resume: bool = True
     # A checkpoint to start from (later stages: anneal, eval); a step directory or a run's dir.
     load: Optional[str] = None
+    # Settings a resume may change from the checkpoint's (`resume_changes`), each by its key,
+    # e.g. [optim.lr,trainer.steps]; any other change is printed and refused.
+    accept_changes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.every < 0 or self.keep_last < 1:
@@ -153,6 +157,12 @@ class TrainerConfig:
     # Stop the run as diverged after more than this many skip-step skips in a row (a spike
     # is skipped; a run that skips every step has diverged and must not end "completed").
     max_consecutive_skips: int = 5
+    # Stop the run as diverged when a *finite* loss runs away: above ln(vocab_size) (what
+    # guessing uniformly scores, and about where a fresh model starts) plus this many nats for
+    # runaway_loss_steps steps in a row. A healthy run's spikes stay far below its starting loss;
+    # null: off. Such steps are not healthy either, so no checkpoint is called good because of them.
+    runaway_loss_margin: Optional[float] = 1.0
+    runaway_loss_steps: int = 3
     # Where metrics go (olmo_eqx/sinks.py): jsonl (metrics.jsonl), tensorboard (event files in
     # <run dir>/tensorboard), wandb (a W&B run in <run dir>/wandb, offline without an API key).
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl", "tensorboard")
@@ -365,8 +375,41 @@ def build(cls: type, values: Any, key: str = "") -> Any:
         raise ConfigError(f"{key or cls.__name__}: {e}") from e
 
 
+def _numbers_out_of_range(config: Config) -> list[str]:
+    """`key=value: the range it must lie in` for every numeric setting outside it. A negative
+    learning rate is gradient *ascent*: finite for a hundred steps (loss 1,120 at step 10) until
+    it overflows, so it is refused here rather than left to the divergence guard."""
+    import math
+
+    o, s, d, c = config.optim, config.schedule, config.data, config.checkpoint
+    rules = [
+        ("optim.lr", o.lr, math.isfinite(o.lr) and o.lr > 0, "> 0"),
+        ("optim.b1", o.b1, 0 <= o.b1 < 1, "in [0, 1)"),
+        ("optim.b2", o.b2, 0 <= o.b2 < 1, "in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.clip_grad_norm", o.clip_grad_norm, o.clip_grad_norm is None or o.clip_grad_norm >= 0, ">= 0 (0 or null: no clipping)"),
+        ("optim.z_loss_weight", o.z_loss_weight, o.z_loss_weight >= 0, ">= 0"),
+        ("optim.skip_step_window", o.skip_step_window, o.skip_step_window >= 2, ">= 2"),
+        ("optim.skip_step_std", o.skip_step_std, o.skip_step_std is None or o.skip_step_std >= 0, ">= 0 (0 or null: off)"),
+        ("schedule.warmup_steps", s.warmup_steps, s.warmup_steps >= 0, ">= 0"),
+        ("schedule.total_steps", s.total_steps, s.total_steps is None or s.total_steps >= 1, ">= 1 (null: trainer.steps)"),
+        ("schedule.final_lr_ratio", s.final_lr_ratio, s.final_lr_ratio is None or 0 <= s.final_lr_ratio <= 1, "in [0, 1]"),
+        ("schedule.decay_fraction", s.decay_fraction, 0 <= s.decay_fraction <= 1, "in [0, 1]"),
+        ("data.remote_timeout_s", d.remote_timeout_s, d.remote_timeout_s > 0, "> 0"),
+        ("data.remote_backoff_s", d.remote_backoff_s, d.remote_backoff_s >= 0, ">= 0"),
+        ("checkpoint.keep_every", c.keep_every, c.keep_every is None or c.keep_every >= 1, ">= 1 (null: none extra)"),
+        ("trainer.runaway_loss_steps", config.trainer.runaway_loss_steps, config.trainer.runaway_loss_steps >= 1, ">= 1"),
+    ]
+    # NaN fails every comparison above, so it is refused too.
+    return [f"{key}={value} must be {bound}" for key, value, ok, bound in rules if not ok]
+
+
 def check_across_groups(config: Config) -> None:
-    """Constraints that span groups (each group checks its own fields in `__post_init__`)."""
+    """Constraints that span groups (each group checks its own fields in `__post_init__`), and
+    every numeric setting's range, all checked before any work starts."""
+    if bad := _numbers_out_of_range(config):
+        raise ConfigError("; ".join(bad))
     batch, micro = config.data.global_batch_size, config.trainer.micro_batches
     if batch % micro:
         raise ConfigError(f"data.global_batch_size={batch} is not divisible by trainer.micro_batches={micro}")
@@ -376,6 +419,40 @@ def check_across_groups(config: Config) -> None:
             f"schedule.warmup_steps={config.schedule.warmup_steps} must be below the schedule's length "
             f"{horizon} (schedule.total_steps, else trainer.steps)"
         )
+
+
+# What a resume compares with the checkpoint's config: whole groups, or single keys. Left out:
+# how the data is reached (source, data_root, tokenizer: the same files under another root or
+# mounted locally are the same data, and the dataset's fingerprint refuses other content),
+# the remote and prefetch settings, held-out sets, logging, and trainer.micro_batches, which
+# exists to fit the same batch on fewer devices.
+RESUME_COMPARED = ("optim", "schedule", "data.sequence_length", "data.global_batch_size", "data.seed",
+                   "data.filter_repeated_ngrams", "data.document_masking", "data.reset_positions_per_document",
+                   "data.eos_token_id", "trainer.steps")
+
+
+def _flat(values: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(values, dict):
+        return {k: v for key, value in values.items() for k, v in _flat(value, f"{prefix}.{key}").items()}
+    return {prefix: values}
+
+
+def resume_changes(stored: dict, config: Config) -> dict[str, tuple[Any, Any]]:
+    """key -> (the checkpoint's value, this run's) for every setting of `RESUME_COMPARED` that a
+    resume would change. Keys the checkpoint did not record (an older olmo_eqx) are not compared."""
+    import json
+
+    current = json.loads(json.dumps(config_to_dict(config)))  # tuples as lists, as stored
+    changes = {}
+    for compared in RESUME_COMPARED:
+        group, _, key = compared.partition(".")
+        old = _flat(stored.get(group, {}) if not key else {key: stored.get(group, {}).get(key, _MISSING)}, group)
+        new = _flat(current[group] if not key else {key: current[group][key]}, group)
+        changes.update({k: (old[k], v) for k, v in new.items() if k in old and old[k] != _MISSING and old[k] != v})
+    return changes
+
+
+_MISSING = "<not recorded>"
 
 
 def to_config(cfg: Any) -> Config:

@@ -11,6 +11,10 @@ and other files through a `RunDir`, never by opening files of its own.
 In multi-process runs only process 0 writes (`enabled=False` elsewhere: every call is a no-op,
 so callers need no `if main_process`). Files are created on first write, so a run that is
 refused before it writes anything leaves none of them behind.
+
+A write that fails (a full or read-only disk) raises `SinkError`, one line naming the file,
+which stops the run (exit status 2; the checkpoints are untouched). From then on nothing more
+is written to that file and `close` stays quiet about it, so the error is said once.
 """
 
 import dataclasses
@@ -22,7 +26,7 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
-from olmo_eqx.sinks import MetricSink, make_sinks
+from olmo_eqx.sinks import MetricSink, make_sinks, sink_error
 
 CONFIG_FILE = "config.json"
 # Every stage's summary (a JSON object) lands here, in its run directory.
@@ -54,9 +58,18 @@ class RunDir:
         self._sinks: Optional[list[MetricSink]] = None
         self._lines: list[tuple[str, bool]] = []  # to print, in order (see `print`)
         self._printing = False
+        self._failed = False  # a write failed: the run is stopping, its error already raised
+
+    def _writing(self, path: Path | str, write) -> Any:
+        """`write()`, its OSError raised as the run's one-line `SinkError` naming `path`."""
+        try:
+            return write()
+        except OSError as e:
+            self._failed = True
+            raise sink_error(path, e) from None
 
     def _ensure(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._writing(self.path, lambda: self.path.mkdir(parents=True, exist_ok=True))
 
     def file(self, name: str) -> Path:
         """Where `name` lives in this run dir (for writers of their own format: checkpoints, plots)."""
@@ -83,35 +96,39 @@ class RunDir:
 
     def _emit(self, text: str, error: bool) -> None:
         print(text, flush=True, file=sys.stderr if error else sys.stdout)
-        if self._log_name is not None:
+        if self._log_name is not None and not self._failed:
             if self._log is None:
                 self._ensure()
-                self._log = open(self.path / self._log_name, "a")
-            self._log.write(text + "\n")
-            self._log.flush()
+                self._log = self._writing(self.path / self._log_name, lambda: open(self.path / self._log_name, "a"))
+
+            def append():
+                self._log.write(text + "\n")
+                self._log.flush()
+
+            self._writing(self.path / self._log_name, append)
 
     def metrics(self, record: dict) -> None:
         """One record (with an integer "step") to every sink."""
-        if not self.enabled or not self._loggers:
+        if not self.enabled or not self._loggers or self._failed:
             return
         if self._sinks is None:
             self._ensure()
-            self._sinks = make_sinks(self._loggers, self.path, self._sink_config)
+            self._sinks = self._writing(self.path, lambda: make_sinks(self._loggers, self.path, self._sink_config))
         for sink in self._sinks:
-            sink.write(record)
+            self._writing(getattr(sink, "path", self.path), lambda: sink.write(record))
 
     def write_json(self, name: str, data: Any) -> Path:
         path = self.path / name
-        if self.enabled:
+        if self.enabled and not self._failed:
             self._ensure()
-            path.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+            self._writing(path, lambda: path.write_text(json.dumps(_jsonable(data), indent=2) + "\n"))
         return path
 
     def write_text(self, name: str, text: str) -> Path:
         path = self.path / name
-        if self.enabled:
+        if self.enabled and not self._failed:
             self._ensure()
-            path.write_text(text)
+            self._writing(path, lambda: path.write_text(text))
         return path
 
     def write_config(self, config: Any) -> Path:
@@ -121,14 +138,24 @@ class RunDir:
         return self.write_json(SUMMARY_FILE, summary)
 
     def close(self) -> None:
-        for sink in self._sinks or []:
-            sink.close()
-        self._sinks = None
+        """Close the sinks and the log; a failure is raised as `SinkError` unless a write
+        already failed (then that error is the one in flight, and buffered lines are dropped)."""
+        sinks, self._sinks = self._sinks or [], None
         # Taken out of reach before closing: a signal handler that prints while the file closes
         # (ignore_signals_after_completion) then appends to a fresh handle, not a closed one.
         log, self._log = self._log, None
+        closing = [(getattr(sink, "path", self.path), sink.close) for sink in sinks]
         if log is not None:
-            log.close()
+            closing.append((self.path / self._log_name, log.close))
+        first = None
+        for path, close in closing:
+            try:
+                close()
+            except OSError as e:
+                first = first or sink_error(path, e)
+        if first is not None and not self._failed:
+            self._failed = True
+            raise first
 
     def __enter__(self) -> "RunDir":
         return self

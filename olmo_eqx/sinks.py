@@ -12,6 +12,11 @@ value in metrics.jsonl. Booleans and strings are left to metrics.jsonl.
 metrics.jsonl survives a kill: a run killed mid-write leaves a partial last line, which the
 next run moves into `metrics.jsonl.partial-<time>` (kept, not deleted) before it appends, and
 `read_jsonl`, the one reader of the project's JSONL files, skips a malformed line with a warning.
+
+A sink that cannot write (a full or read-only disk) raises `OSError` in the training thread,
+never in a thread of its own: TensorBoard's events are written here, synchronously, because
+tensorboardX's writer thread dies on ENOSPC and its queue then blocks the loop for good (no
+signal gets it out). `RunDir` turns that error into a `SinkError`, one line naming the file.
 """
 
 import json
@@ -21,14 +26,30 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from olmo_eqx.errors import RunError
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
+class SinkError(RunError):
+    """A file of the run dir (metrics, log, summary) that cannot be written; names the file."""
+
+
+def sink_error(path: Path | str, error: OSError) -> SinkError:
+    """The one line a failed write of `path` stops the run with."""
+    return SinkError(
+        f"cannot write {path}: {error.strerror or error}: free space on its disk (or make the run dir writable), "
+        "then rerun to resume; the checkpoints are intact"
+    )
+
+
 @runtime_checkable
 class MetricSink(Protocol):
+    path: Path  # what it writes, named when that fails
+
     def write(self, record: dict) -> None: ...
 
     def close(self) -> None: ...
@@ -98,13 +119,33 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def last_recorded_step(path: Path) -> Optional[int]:
+    """The step of the last complete record of the JSONL file `path` (None: no file, or no such
+    record near its end). Reads only the file's last 64 KiB: metrics.jsonl can be large."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
+
+
 class JsonlSink:
     """metrics.jsonl: appended, so a resumed run continues it (the later record of a step wins).
     A partial last line left by a killed run is set aside first (`set_aside_partial_line`)."""
 
     def __init__(self, run_dir: Path):
-        set_aside_partial_line(run_dir / METRICS_FILE)
-        self._file = open(run_dir / METRICS_FILE, "a")
+        self.path = run_dir / METRICS_FILE
+        set_aside_partial_line(self.path)
+        self._file = open(self.path, "a")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -116,19 +157,38 @@ class JsonlSink:
 
 class TensorBoardSink:
     """Event files in `<run dir>/tensorboard/` (`tensorboard --logdir <run dir>`); a resumed run
-    adds a new event file next to the old ones, which TensorBoard reads as one run."""
+    adds a new event file next to the old ones, which TensorBoard reads as one run. Written in
+    the calling thread with tensorboardX's event file writer and flushed every `FLUSH_S`
+    seconds, as its `SummaryWriter(flush_secs=10)` would (see the module docstring for why)."""
+
+    FLUSH_S = 10.0
 
     def __init__(self, run_dir: Path):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
-        self._writer = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR), flush_secs=10)
+        directory = run_dir / TENSORBOARD_DIR
+        self.path = directory  # named if it cannot be made
+        directory.mkdir(parents=True, exist_ok=True)
+        self._events = EventsWriter(str(directory / "events"))
+        self.path = Path(getattr(self._events, "_file_name", directory))  # the event file, when known
+        self._flushed = time.monotonic()
 
     def write(self, record: dict) -> None:
+        # The protos themselves, as tensorboardX.summary.scalar builds them: that module imports
+        # torch when it is installed (1.5 s), these do not.
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        step, now = int(record["step"]), time.time()
         for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, global_step=int(record["step"]))
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
+            self._events.write_event(Event(wall_time=now, step=step, summary=summary))
+        if time.monotonic() - self._flushed >= self.FLUSH_S:
+            self._events.flush()
+            self._flushed = time.monotonic()
 
     def close(self) -> None:
-        self._writer.close()
+        self._events.close()
 
 
 class WandbSink:
@@ -155,6 +215,7 @@ class WandbSink:
             settings=wandb.Settings(console="off", silent=True),
         )
         self._last_step = -1
+        self.path = run_dir / WANDB_DIR
 
     def write(self, record: dict) -> None:
         step = int(record["step"])

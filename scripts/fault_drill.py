@@ -1,8 +1,11 @@
 """The fault drill: break a short pretrain run of the default model on purpose, every way the
-fault tables of issues 11 and 25 list, and print one row per fault: what happened, and whether
-anything good was lost.
+fault tables of issues 11, 25 and 42 list, and print one row per fault: what happened, and
+whether anything good was lost.
 
-    python scripts/fault_drill.py [--keep DIR] [--issues 11,25]   # a few minutes on 2 CPU cores
+    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42]   # a few minutes on 2 CPU cores
+
+Issue 42's rows serve token files from tests/rangeserver.py (a misbehaving HTTP range server)
+and checkpoints from moto's S3 server, both on 127.0.0.1.
 
 Every run is a real `python -m olmo_eqx +stage=pretrain` process on real files (one CPU
 device, one shared compilation cache). When run as root, a chmod'ed directory does not stop
@@ -86,6 +89,8 @@ def drill(root: Path, groups: tuple[str, ...] = ("11", "25")) -> list[tuple[str,
         rows += drill_issue_11(root, good, copy)
     if "25" in groups:
         rows += drill_issue_25(root, good, copy)
+    if "42" in groups:
+        rows += drill_issue_42(root, good, copy)
     return rows
 
 
@@ -160,7 +165,7 @@ def drill_issue_11(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (d / "run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid}))
-    r = run(d, "trainer.steps=25")
+    r = run(d, "trainer.steps=25", "checkpoint.accept_changes=[trainer.steps]")
     rows.append(("stale lock (dead pid, same host)", f"exit {r.returncode}: {said(r)}", r.returncode == 0 and 25 in steps(d)))
 
     # Storage.
@@ -210,7 +215,7 @@ def drill_issue_25(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     d = copy("partial_line")
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"step": 21, "lo')
-    r = run(d, "trainer.steps=25")
+    r = run(d, "trainer.steps=25", "checkpoint.accept_changes=[trainer.steps]")
     aside = list(d.glob("metrics.jsonl.partial-*"))
     rows.append(("partial last line in metrics.jsonl", f"exit {r.returncode}, set aside {[p.name for p in aside]}",
                  r.returncode == 0 and len(aside) == 1 and (d / "loss.png").exists()))
@@ -298,10 +303,150 @@ def drill_issue_25(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     return rows
 
 
+def drill_issue_42(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
+    """The faults of issue 42: misbehaving range servers, a rewritten file, a trickle and
+    SIGTERM, two run dirs on one s3:// prefix, full and unwritable run dirs, a manifest listing
+    a file twice, config changes at resume, settings out of range, a runaway loss."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from rangeserver import RangeServer
+
+    rows = []
+    r = run(root / "neg_lr", "optim.lr=-1")
+    rows.append(("optim.lr=-1", f"exit {r.returncode}: {said(r)}", r.returncode == 2 and "optim.lr=-1.0 must be > 0" in r.stderr))
+
+    d = copy("resume_changed")
+    before = hashes(d)
+    r = run(d, "optim.lr=3e-2", "trainer.steps=100")
+    rows.append(("resume with optim.lr x10 and trainer.steps 20 -> 100", f"exit {r.returncode}: {said(r)}",
+                 r.returncode == 2 and "checkpoint.accept_changes=[optim.lr,trainer.steps]" in r.stderr and hashes(d) == before))
+
+    # A loss that runs away: every loss is above ln(vocab) - 6, so the rule fires after 3 steps;
+    # no step after 15 is healthy (step 21 is measured on step 20's weights), so the stop names
+    # 15 as the last good checkpoint and sets the later saves aside.
+    d = copy("runaway")
+    r = run(d, "trainer.steps=30", "checkpoint.every=1", "checkpoint.accept_changes=[trainer.steps]",
+            "trainer.runaway_loss_margin=-6")
+    rows.append(("finite loss running away (runaway_loss_margin=-6)", f"exit {r.returncode}, kept {steps(d)}: {said(r)}",
+                 r.returncode == 2 and "the loss ran away" in r.stderr and steps(d) == [15]
+                 and "the last good checkpoint is" in r.stderr))
+
+    # Token files over HTTP from a server that misbehaves.
+    served = root / "served"
+    rng = np.random.default_rng(42)
+    served.mkdir()
+    for i in range(2):
+        rng.integers(0, 4096, 256 * 40).astype(np.uint16).tofile(served / f"part{i}.npy")
+    (root / "mix.txt").write_text("train,part0.npy\ntrain,part1.npy\n")
+    (root / "twice.txt").write_text("train,part0.npy\ntrain,part1.npy\ntrain,part0.npy\n")
+    server = RangeServer(served)
+    data = [f"data.source={root / 'mix.txt'}", f"data.data_root={server.url}", "data.tokenizer=x",
+            "data.remote_attempts=2", "data.remote_backoff_s=0.01"]
+    try:
+        r = run(root / "twice", f"data.source={root / 'twice.txt'}", *data[1:])
+        rows.append(("mix manifest listing a file twice", f"exit {r.returncode}: {said(r)}",
+                     r.returncode == 2 and "is already listed on line 1" in r.stderr))
+        for fault, setting in (("a server answering another range", ("wrong_range", True)),
+                               ("a 206 with more bytes than asked", ("extra_bytes", 3))):
+            setattr(server, *setting)
+            r = run(root / setting[0], *data)
+            setattr(server, setting[0], type(setting[1])())
+            rows.append((fault, f"exit {r.returncode}: {said(r)}",
+                         r.returncode == 2 and server.url in said(r) and "does not serve byte ranges" in r.stderr))
+
+        # The same-size rewrite and the trickle start once the run has trained 8 steps.
+        def when_trained(run_dir: Path, steps_done: int, action, *overrides) -> tuple[subprocess.Popen, float, str]:
+            process = subprocess.Popen(command(run_dir, *data, "trainer.log_every=1", *overrides), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV})
+            for line in process.stdout:
+                if line.startswith(f"step {steps_done:>6}/"):
+                    action(process)
+                    break
+            acted = time.time()
+            output = process.communicate(timeout=600)[0]
+            return process, time.time() - acted, output
+
+        part = served / "part1.npy"
+        original = part.read_bytes()
+
+        def rewrite(_process):
+            stamp = part.stat().st_mtime_ns
+            part.write_bytes(original[512:] + original[:512])
+            os.utime(part, ns=(stamp + 10**9, stamp + 10**9))
+
+        d = root / "rewritten"
+        process, _, output = when_trained(d, 8, rewrite)
+        part.write_bytes(original)
+        rows.append(("token file rewritten mid-run at the same size", f"exit {process.returncode}, kept {steps(d)}: "
+                     f"{[line for line in output.splitlines() if 'error' in line][-1:]}",
+                     process.returncode == 2 and "changed on the server during the run" in output and steps(d)[-1] <= 10))
+
+        def trickle_then_term(process):
+            server.trickle_s = 2.0
+            time.sleep(1.0)
+            process.send_signal(signal.SIGTERM)
+
+        d = root / "trickle"
+        process, took, output = when_trained(d, 8, trickle_then_term)
+        server.trickle_s = 0.0
+        again = run(d, *data)
+        rows.append(("server trickling 1 byte / 2 s, then SIGTERM", f"exit {process.returncode} {took:.0f}s after the signal, "
+                     f"kept {steps(d)}, rerun exit {again.returncode}: {said(again)}",
+                     process.returncode == 0 and took < 30 and again.returncode == 0 and steps(d)[-1] == 20))
+    finally:
+        server.stop()
+
+    # Two run dirs on one s3:// prefix (moto's S3 server).
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    s3_env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "drill", "AWS_SECRET_ACCESS_KEY": "drill",
+              "AWS_DEFAULT_REGION": "us-east-1", "OLMO_EQX_CHECKPOINT_STAGING": str(root / "staging")}
+    ENV.update(s3_env)
+    os.environ.update({k: v for k, v in s3_env.items() if k.startswith("AWS_")})
+    try:
+        boto3.client("s3").create_bucket(Bucket="drill")
+        first = run(root / "s3_a", "checkpoint.dir=s3://drill/ckpt", "trainer.stop_at=5")
+        second = run(root / "s3_b", "checkpoint.dir=s3://drill/ckpt")
+        rows.append(("two run dirs on one s3:// prefix", f"exit {second.returncode}: {said(second)}",
+                     first.returncode == 0 and second.returncode == 2 and str(root / "s3_a") in said(second)))
+    finally:
+        for key in s3_env:
+            ENV.pop(key, None)
+        moto.stop()
+
+    # Full and unwritable run dirs.
+    d = copy("metrics_full")
+    kept = (d / "metrics.jsonl").read_bytes()
+    limit = 64 << 20
+    (d / "metrics.jsonl").write_bytes(kept + b'{"pad": "' + b"x" * (limit - len(kept) - 200) + b'"}\n')
+    r = subprocess.run([sys.executable, "-c", FULL_DISK.replace("1 << 20", str(limit)), *BASE, "trainer.steps=25",
+                        "checkpoint.accept_changes=[trainer.steps]", f"hydra.run.dir={d}"],
+                       capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    (d / "metrics.jsonl").write_bytes(kept)
+    again = run(d, "trainer.steps=25", "checkpoint.accept_changes=[trainer.steps]")
+    rows.append(("metrics.jsonl on a full disk", f"exit {r.returncode}, rerun exit {again.returncode}: {said(r)}",
+                 r.returncode == 2 and "metrics.jsonl" in said(r) and again.returncode == 0 and 25 in steps(d)))
+
+    d = copy("save_full")
+    r = run(d, "trainer.steps=40", "checkpoint.accept_changes=[trainer.steps]", "trainer.log_every=1", full_disk=True)
+    trained = [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    rows.append(("disk full during a mid-run save (step 25 of 40)", f"exit {r.returncode}, last step {max(trained)}: {said(r)}",
+                 r.returncode == 2 and "saving checkpoint step 25" in r.stderr and max(trained) < 30 and steps(d)[-1] == 20))
+
+    (root / "a_file").write_text("x")
+    r = run(root / "a_file" / "run")
+    rows.append(("run dir that cannot be made (under a file)", f"exit {r.returncode}: {said(r)}",
+                 r.returncode == 2 and "Traceback" not in r.stderr))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="run the drill in this directory and keep it (default: a temporary one)")
-    parser.add_argument("--issues", default="11,25", help="whose rows to run: 11, 25 or both (default)")
+    parser.add_argument("--issues", default="11,25,42", help="whose rows to run: any of 11, 25, 42 (default: all)")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="fault_drill_")).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,11 @@ be served with `STORAGE_EMULATOR_HOST`; also the JSON API's writes, for checkpoi
 request, a fraction of answers that are 503, paths answering 404, a server that dies after
 a given number of requests (killed mid-run), and stop / restart on the same port. Paths in
 `redirects` answer 302 to their target (a hub's `resolve` URL sends clients on like that).
+Misbehaving range answers too: another range than asked (said in Content-Range), more bytes
+than asked, a body trickled a byte at a time, a store refusing writes (403); and `on_request(n)`, called before the n-th
+request is answered (e.g. to rewrite a file mid-run). Answers carry the file's version as real
+servers do: an ETag and Last-Modified from its mtime and size (as nginx), and on GCS's paths
+its `x-goog-generation` (its mtime in ns).
 """
 
 import json
@@ -27,6 +32,11 @@ class RangeServer:
         self.redirects: dict[str, str] = {}  # path -> Location answered with 302
         self.ignore_ranges = False  # answer range requests with the whole file (200)
         self.dies_after: int | None = None  # from this many requests on, cut every connection unanswered
+        self.wrong_range = False  # answer every range request with bytes 0-(length-1), saying so
+        self.extra_bytes = 0  # append this many bytes to every 206 body (Content-Range as asked)
+        self.trickle_s = 0.0  # send 206 bodies one byte every trickle_s seconds
+        self.on_request = None  # called with the request count before each read is answered
+        self.refuse_writes = False  # answer GCS uploads, copies and deletes with 403
         self.requests = 0
         self.size_requests = 0  # HEADs and GCS metadata GETs
         self.errors_sent = 0
@@ -104,6 +114,9 @@ class RangeServer:
             self._send(handler, 200, json.dumps({"items": items}).encode())
             return True
         body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        if self.refuse_writes:
+            self._send(handler, 403, b"forbidden")
+            return True
         if method == "POST" and path.startswith("/upload/storage/v1/b/"):
             bucket = path[len("/upload/storage/v1/b/"):].partition("/")[0]
             target = self.root / bucket / query["name"][0]
@@ -138,6 +151,8 @@ class RangeServer:
         if dead:  # stopped, or killed: cut the connection without an answer
             handler.close_connection = True
             return
+        if self.on_request is not None:
+            self.on_request(self.requests)
         with self._lock:
             fail = self.error_rate and self._rng.random() < self.error_rate
             self.errors_sent += bool(fail)
@@ -146,26 +161,33 @@ class RangeServer:
         if fail:
             return self._send(handler, 503, b"slow down", head=head)
         parts = urllib.parse.urlsplit(handler.path)
-        path, metadata = urllib.parse.unquote(parts.path), False
+        path, metadata, gcs = urllib.parse.unquote(parts.path), False, False
         for prefix, is_meta in (("/download/storage/v1/b/", False), ("/storage/v1/b/", True)):
             if path.startswith(prefix):  # GCS JSON API: /b/BUCKET/o/OBJECT
                 bucket, _, name = path[len(prefix):].partition("/o/")
-                path, metadata = f"/{bucket}/{name}", is_meta
+                path, metadata, gcs = f"/{bucket}/{name}", is_meta, True
                 break
         if path in self.redirects:
             return self._send(handler, 302, b"", {"Location": self.redirects[path]}, head=head)
         file = self.root / path.lstrip("/")
         if path in self.missing or not file.is_file():
             return self._send(handler, 404, b"not found", head=head)
-        size = file.stat().st_size
+        stat = file.stat()
+        size = stat.st_size
+        version = {"ETag": f'"{stat.st_mtime_ns:x}-{size:x}"',
+                   "Last-Modified": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(stat.st_mtime)),
+                   **({"x-goog-generation": str(stat.st_mtime_ns)} if gcs else {})}
         if metadata or head:
             with self._lock:
                 self.size_requests += 1
         if metadata:
-            return self._send(handler, 200, json.dumps({"size": str(size)}).encode(), head=head)
+            return self._send(handler, 200, json.dumps({"size": str(size), "generation": str(stat.st_mtime_ns)}).encode(),
+                              head=head)
         if head:
             handler.send_response(200)
             handler.send_header("Content-Length", str(size))
+            for k, v in version.items():
+                handler.send_header(k, v)
             handler.end_headers()
             return
         spec = handler.headers.get("Range")
@@ -175,7 +197,19 @@ class RangeServer:
         start, end = int(start), min(int(end), size - 1)
         if start >= size:
             return self._send(handler, 416, b"", {"Content-Range": f"bytes */{size}"})
+        if self.wrong_range:
+            start, end = 0, end - start
         with open(file, "rb") as f:
             f.seek(start)
-            body = f.read(end - start + 1)
-        self._send(handler, 206, body, {"Content-Range": f"bytes {start}-{end}/{size}"})
+            body = f.read(end - start + 1) + b"\0" * self.extra_bytes
+        headers = {"Content-Range": f"bytes {start}-{end}/{size}", **version}
+        if not self.trickle_s:
+            return self._send(handler, 206, body, headers)
+        self._send(handler, 206, b"", {**headers, "Content-Length": str(len(body))}, head=True)
+        for i in range(len(body)):  # each byte well within the client's socket timeout
+            time.sleep(self.trickle_s)
+            try:
+                handler.wfile.write(body[i:i + 1])
+                handler.wfile.flush()
+            except OSError:  # the client gave up
+                return

@@ -236,5 +236,56 @@ def test_a_save_committed_locally_but_never_uploaded_is_uploaded_by_the_next_wri
     with Checkpointer(url, read_only=True, staging=tmp_path / "r") as reader:
         assert reader.all_steps() == [1]
     with Checkpointer(url, keep_last=3, staging=tmp_path / "s") as second:
-        assert second.all_steps() == [1, 2] and second.verify(2)
-    assert not [p for p in (tmp_path / "s").iterdir() if p.name.isdigit()]
+        assert second.all_steps() == [1, 2]
+        assert not [p for p in (tmp_path / "s").iterdir() if p.name.isdigit()]
+        # The rerun resumes from it (it used to find its staged copy removed by the upload:
+        # FileNotFoundError, issue 42 row 3).
+        target = sharded_abstract_train_state(TINY, OPTIM, mesh, ShardingRules())
+        assert second.restore(target=target).step == 2 and second.verify(2)
+
+
+def test_a_prefix_belongs_to_one_run_dir_on_s3_and_gcs_and_a_store_refusing_writes_is_one_line(
+    s3, state, tmp_path, monkeypatch
+):
+    """Issue 42: a second run dir on a claimed s3:// or gs:// prefix is refused before anything
+    is written there (and a claim taken over mid-run stops the first run's next upload); a
+    store that starts refusing writes (403) stops the save in one line naming the URL, the step
+    staged; the next writer uploads it."""
+    from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
+    from olmo_eqx.checkpoint_storage import CheckpointSaveError
+    from rangeserver import RangeServer
+
+    state, mesh = state
+    (tmp_path / "served" / "ckpts").mkdir(parents=True)
+    server = RangeServer(tmp_path / "served")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    run_a, run_b = tmp_path / "run_a", tmp_path / "run_b"
+    try:
+        for url in (f"s3://{BUCKET}/owned", "gs://ckpts/owned"):
+            assert claim_checkpoint_dir(url, run_a) is None
+            assert claim_checkpoint_dir(url, run_a) is None  # its own run dir again: a resume
+            with pytest.raises(CheckpointDirOwnedError, match=rf"^checkpoint.dir={url} belongs to the run dir {run_a} "
+                                                              rf"\(its owner.json\), not {run_b}"):
+                claim_checkpoint_dir(url, run_b)
+        # Two runs started at once both saw no owner; the later claim won: the first stops at its upload.
+        monkeypatch.setattr("olmo_eqx.checkpoint_remote._CLAIMED", {f"s3://{BUCKET}/owned": str(run_b)})
+        with Checkpointer(f"s3://{BUCKET}/owned", async_save=False, staging=tmp_path / "s0") as checkpointer:
+            with pytest.raises(CheckpointSaveError, match=rf"belongs to the run dir {run_a} \(its owner.json\), not {run_b}"):
+                checkpointer.save(1, state)
+            assert checkpointer.all_steps() == []
+
+        url = "gs://ckpts/refused"
+        with pytest.raises(CheckpointSaveError) as refused:
+            with Checkpointer(url, keep_last=3, async_save=False, staging=tmp_path / "s1") as checkpointer:
+                checkpointer.save(1, state)
+                server.refuse_writes = True
+                checkpointer.save(2, state)
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"uploading checkpoint step 2 to {url}/2 failed: checkpoint "
+                                                          f"store {url}: write of ") and "HTTP Error 403" in message
+        server.refuse_writes = False
+        with Checkpointer(url, keep_last=3, staging=tmp_path / "s1") as rerun:
+            assert rerun.all_steps() == [1, 2] and rerun.verify(2)
+    finally:
+        server.refuse_writes = False
+        server.stop()

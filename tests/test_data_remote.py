@@ -8,6 +8,7 @@ servers that ignore ranges and transient errors behave as olmo_eqx/data/remote.p
 """
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -353,3 +354,137 @@ def test_the_eval_stages_heldout_sets_read_urls_and_manifests_at_a_url_root(corp
         assert np.array_equal(dataset.read(np.arange(len(dataset)))[0], expected)
     with pytest.raises(EvalError, match="is a mix manifest: set data.data_root and data.tokenizer"):
         build_heldout_sets({}, "x", {"v3_small": str(ppl)}, SEQ, VOCAB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 42: servers that answer another range, too many bytes, a rewritten file, a trickle
+
+
+def test_another_range_or_too_many_bytes_is_one_line_naming_the_url(corpus, http):
+    url = f"{http.url}/olmo/data/eval/heldout.npy"
+    reader = RemoteReader(QUICK)
+    size = reader.size(url)
+    assert reader.read(url, 256, 128, size) == (corpus[0] / "olmo" / "data" / "eval" / "heldout.npy").read_bytes()[256:384]
+    http.wrong_range = True  # answers bytes 0-127 to bytes=256-383, and says so
+    try:
+        with pytest.raises(RemoteFileError) as wrong:
+            reader.read(url, 256, 128, size)
+    finally:
+        http.wrong_range = False
+    assert str(wrong.value) == (f"token file {url}: asked for bytes 256-383, the server answered bytes 0-127 "
+                                "(Content-Range): it does not serve byte ranges correctly; serve the files from one that does")
+    http.extra_bytes = 3
+    try:
+        with pytest.raises(RemoteFileError, match=rf"^token file {url}: asked for bytes 256-383, the server sent 131 "
+                                                  "bytes, 3 too many") as extra:
+            reader.read(url, 256, 128, size)
+    finally:
+        http.extra_bytes = 0
+    assert "\n" not in str(extra.value) and reader.stats["data_retries"] == 0  # permanent: not retried
+
+
+def test_a_same_size_rewrite_is_caught_at_the_next_read_over_http_gcs_and_s3(corpus, http, s3, monkeypatch):
+    """Each store's version of a file (ETag, GCS generation, S3 ETag) is pinned when the run
+    first sees it; an answer of another version stops the read, naming the URL."""
+    import boto3
+
+    root, _ = corpus
+    served = root / "olmo" / "rewritten"
+    data = np.arange(SEQ * 4) % VOCAB
+    path = write_token_file(served / "p.npy", data, VOCAB)
+    original = path.read_bytes()
+    client = boto3.client("s3")
+    client.put_object(Bucket=BUCKET, Key="olmo/rewritten/p.npy", Body=original)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", http.url)  # gs://olmo/... is the served dir olmo/
+    for url, pinned in ((f"{http.url}/olmo/rewritten/p.npy", "etag"), ("gs://olmo/rewritten/p.npy", "x-goog-generation"),
+                        (f"{s3}/olmo/rewritten/p.npy", "ETag")):
+        path.write_bytes(original)
+        client.put_object(Bucket=BUCKET, Key="olmo/rewritten/p.npy", Body=original)
+        reader = RemoteReader(QUICK)
+        size = reader.size(url)
+        assert reader.read(url, 0, 128, size) == original[:128]
+        changed = original[128:] + original[:128]  # the same size, other tokens
+        stamp = path.stat().st_mtime_ns
+        path.write_bytes(changed)
+        os.utime(path, ns=(stamp + 10**9, stamp + 10**9))  # a new version even on a coarse clock
+        client.put_object(Bucket=BUCKET, Key="olmo/rewritten/p.npy", Body=changed)
+        with pytest.raises(RemoteFileError, match=rf"^token file {url}: it changed on the server during the run \("
+                                                  rf"{pinned} .* -> {pinned} .*\): a run's data must not "
+                                                  "change under it. Restore the original file and rerun to resume"):
+            reader.read(url, 128, 128, size)
+        assert reader.stats["data_retries"] == 0
+
+
+def test_a_file_rewritten_mid_run_stops_it_before_training_on_it(corpus, http, tmp_path):
+    root, manifest = corpus
+    config = compose_config(run_args(manifest, http.url))
+    path = root / "olmo" / "data" / TOKENIZER / "part-001.npy"
+    original = path.read_bytes()
+    # During the reads of steps 7-8, after the step-6 checkpoint (as the killed-server test).
+    due = http.requests + 16 + 8 * 7
+
+    def rewrite(n):
+        if n == due:
+            stamp = path.stat().st_mtime_ns
+            path.write_bytes(original[SEQ * 2:] + original[:SEQ * 2])
+            os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
+
+    http.on_request = rewrite
+    try:
+        with pytest.raises(TrainError) as stopped:
+            train(config, tmp_path)
+    finally:
+        http.on_request = None
+        path.write_bytes(original)
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith(f"token file {http.url}/olmo/data/{TOKENIZER}/part-001.npy: it "
+                                                      "changed on the server during the run")
+    assert message.endswith("Stopped before training on it; the checkpoints are intact")
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert max(steps) < 9 and Checkpointer(tmp_path / "checkpoints", read_only=True).all_steps() == [6]
+
+
+def test_a_trickling_server_times_out_and_sigterm_ends_the_run_within_seconds(corpus, http, local_run, tmp_path):
+    """A server sending one byte every 50 ms (each gap far under the socket timeout): a read's
+    deadline (data.remote_timeout_s) ends it; a SIGTERM ends the run in seconds with a
+    checkpoint of the last step trained, and the rerun resumes to the same bits."""
+    import os
+    import signal
+    import threading
+    import time
+
+    url = f"{http.url}/olmo/data/eval/heldout.npy"
+    http.trickle_s = 0.05  # 128 bytes: 6.4 s
+    try:
+        reader = RemoteReader(RetryPolicy(attempts=1, timeout_s=0.5))
+        size = reader.size(url)
+        started = time.monotonic()
+        with pytest.raises(RemoteFileError, match=rf"^token file {url}: reading bytes 0-127 failed 1 times, last with "
+                                                  r"no complete answer within 0.5s \(data.remote_timeout_s\)"):
+            reader.read(url, 0, 128, size)
+        assert time.monotonic() - started < 2
+    finally:
+        http.trickle_s = 0.0
+    root, manifest = corpus
+    config = compose_config(run_args(manifest, http.url))
+    # Every read from request `due` on trickles (a row takes 26 s); by the signal, 1.5 s later,
+    # the loop waits on such a batch: only cutting the reads lets it stop within 5 s.
+    due, signalled = http.requests + 16 + 8 * 7, []
+
+    def trickle_then_signal(n):
+        if n == due:
+            http.trickle_s = 0.2
+            signalled.append(time.monotonic() + 1.5)
+            threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    http.on_request = trickle_then_signal
+    try:
+        summary = train(config, tmp_path)
+        took = time.monotonic() - signalled[0]
+    finally:
+        http.on_request, http.trickle_s = None, 0.0
+    assert summary["interrupted"] == "SIGTERM" and summary["end_step"] < 12 and took < 5, (summary, took)
+    assert Checkpointer(tmp_path / "checkpoints", read_only=True).all_steps()[-1] == summary["end_step"]
+    again = train(config, tmp_path)
+    assert again["start_step"] == summary["end_step"] and again["stage_completed"]
+    assert_same_run(tmp_path, *local_run)

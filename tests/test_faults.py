@@ -109,7 +109,7 @@ def test_a_diverging_run_never_costs_the_last_good_checkpoint(tmp_path, env):
     run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     common = ["trainer.steps=20", "trainer.eval_every=0", "optim.skip_step_min_history=2"]
     assert run(run_dir, *common, "trainer.stop_at=6", env=env).returncode == 0
-    bad = run(run_dir, *common, "optim.lr=1e30", "checkpoint.every=1", env=env)
+    bad = run(run_dir, *common, "optim.lr=1e30", "checkpoint.every=1", "checkpoint.accept_changes=[optim.lr]", env=env)
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "training diverged: 6 consecutive steps skipped up to step 13" in bad.stderr
     assert f"the last good checkpoint is {checkpoints / '6'} (step 6); a rerun resumes from it" in bad.stderr

@@ -137,6 +137,10 @@ class DataLoader:
             yield self.next_batch()
 
 
+class Interrupted(Exception):
+    """A stop was asked for while the next batch was still being read (`Prefetcher.interrupted`)."""
+
+
 class Prefetcher:
     """Reads the next `depth` batches in background threads so the device never waits.
 
@@ -159,6 +163,9 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="olmo-eqx-read") if self._workers > 1 else None
         self._thread = threading.Thread(target=self._work, args=(loader.step,), daemon=True, name="olmo-eqx-prefetch")
         self._thread.start()
+        # When it says True while `__next__` waits for a batch, the remote reads are cut and
+        # `Interrupted` raised: a stop signal must not wait minutes for a slow server.
+        self.interrupted: Callable[[], bool] | None = None
 
     def _work(self, step: int) -> None:
         ahead: collections.deque = collections.deque()
@@ -189,7 +196,14 @@ class Prefetcher:
         return self.loader.state
 
     def __next__(self) -> Any:
-        batch, item = self._queue.get()
+        while True:
+            try:
+                batch, item = self._queue.get(timeout=None if self.interrupted is None else 0.2)
+                break
+            except queue.Empty:
+                if self.interrupted():
+                    self._cancel_reads()
+                    raise Interrupted from None
         if batch is None:
             raise item
         self.loader.accept(batch)
@@ -198,8 +212,15 @@ class Prefetcher:
     def __iter__(self) -> "Prefetcher":
         return self
 
+    def _cancel_reads(self) -> None:
+        reader = getattr(self.loader.dataset, "reader", None)
+        if reader is not None:
+            reader.cancel()
+
     def close(self) -> None:
         self._stop.set()
+        if self.interrupted is not None and self.interrupted():
+            self._cancel_reads()  # the reads ahead are not needed: don't wait for a slow server
         self._thread.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -135,6 +135,10 @@ def read_mix(
     if "://" in root and not is_url(root):
         raise DataFileError(f"data root {root!r}: the URL schemes read are http(s)://, s3:// and gs://")
     by_label: dict[str, list[Path | str]] = {}
+    # A file listed twice is read twice as often: silent double weight. OLMo-core's own mixes
+    # do that on purpose (dolma17 lists its wiki files twice), so `olmo_core:` mixes keep it.
+    seen: dict[str, int] = {}
+    repeats_allowed = text.startswith(OLMO_CORE_PREFIX)
     for line_no, raw in enumerate(manifest.read_text().splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -146,6 +150,12 @@ def read_mix(
             )
         rel_path = rel_path.strip().replace(TOKENIZER_PLACEHOLDER, tokenizer)
         path = f"{root.rstrip('/')}/{rel_path.lstrip('/')}" if is_url(root) else Path(root) / rel_path
+        first = seen.setdefault(os.path.normpath(os.fspath(path)) if not is_url(root) else path, line_no)
+        if first != line_no and not repeats_allowed:
+            raise DataFileError(
+                f"{manifest}:{line_no}: {rel_path} is already listed on line {first}; a file listed twice would get "
+                "double weight: remove one of the two lines"
+            )
         by_label.setdefault(label.strip(), []).append(path)
     if not by_label:
         raise DataFileError(f"mix manifest {manifest} lists no files")

@@ -4,7 +4,11 @@ A remote token file is never downloaded whole: its size comes from one metadata 
 the run's size cache, `SizeCache`), and each instance is one `Range: bytes=a-b` request for
 its `sequence_length` tokens. Every range answer carries the object's current total size
 (`Content-Range: bytes a-b/TOTAL`); it is compared with the recorded size, so a file changed
-since the run recorded it is refused at its first read, whatever the cache says.
+since the run recorded it is refused at its first read, whatever the cache says. The range
+answered must be the range asked for, and each file's version (ETag, GCS generation, S3
+version id) is pinned when first seen, so a same-size rewrite mid-run stops the run too.
+Each HTTP request has a wall-clock deadline (`RetryPolicy.timeout_s`), and `cancel` cuts the
+requests in flight (a stop signal must not wait on a slow server).
 
 Clients (docs/data.md, "Remote token files", says why these):
     http(s)://host/path   the standard library's `http.client`, one kept-alive connection per
@@ -31,6 +35,7 @@ import http.client
 import json
 import os
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -90,12 +95,38 @@ class RetryPolicy:
 # HTTP(S) and GCS: one kept-alive connection per thread and host
 
 
-def _content_range_total(header: str | None, url: str) -> int:
-    """TOTAL of `Content-Range: bytes a-b/TOTAL`."""
+def _content_range(header: str | None) -> tuple[int, int, int]:
+    """(first, last, total) of `Content-Range: bytes first-last/total`."""
     try:
-        return int(header.rsplit("/", 1)[1])
-    except (AttributeError, IndexError, ValueError):
+        span, total = header.strip().removeprefix("bytes ").split("/")
+        first, last = span.split("-")
+        return int(first), int(last), int(total)
+    except (AttributeError, ValueError):
         raise _Permanent(f"the server's answer to a range request has no usable Content-Range ({header!r})")
+
+
+class _Cut:
+    """A wall-clock deadline on one request: at `timeout_s` (or on `cancel`) the connection's
+    socket is shut down, which ends a `recv` blocked on a server that sends a byte now and then
+    (each gap under the socket timeout, so that timeout alone never fires)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, timeout_s: float):
+        self.conn, self.fired = conn, False
+        self._timer = threading.Timer(timeout_s, self.cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cut(self) -> None:
+        self.fired = True
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+    def done(self) -> None:
+        self._timer.cancel()
 
 
 def _classify(status: int, url: str, what: str) -> Exception:
@@ -114,9 +145,18 @@ _MAX_REDIRECTS = 5
 class HttpStore:
     """`http(s)://` URLs (and GCS's JSON API underneath `GcsStore`)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, cancelled: threading.Event | None = None):
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self.cancelled = cancelled or threading.Event()
+        self._inflight: set[_Cut] = set()
+        self._inflight_lock = threading.Lock()
+
+    def cancel(self) -> None:
+        """Cut every request in flight (the run is stopping)."""
+        with self._inflight_lock:
+            for cut in list(self._inflight):
+                cut.cut()
 
     def headers(self, url: str) -> dict:
         return {}
@@ -142,14 +182,25 @@ class HttpStore:
         parts = urllib.parse.urlsplit(url)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         conn = self._connection(parts.scheme, parts.netloc)
+        deadline = _Cut(conn, self.timeout_s)
+        with self._inflight_lock:
+            self._inflight.add(deadline)
         try:
             conn.request(method, target, headers={**self.headers(url), **headers})
             response = conn.getresponse()
             body = response.read()
+            if deadline.fired:  # cut just as the answer completed: the connection is gone
+                conn.close()
             return response.status, {k.lower(): v for k, v in response.getheaders()}, body
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut short
             conn.close()  # a broken connection is reopened by the next request
+            if deadline.fired and not self.cancelled.is_set():
+                raise _Transient(f"no complete answer within {self.timeout_s:g}s (data.remote_timeout_s)") from e
             raise _Transient(f"{type(e).__name__}: {e}") from e
+        finally:
+            deadline.done()
+            with self._inflight_lock:
+                self._inflight.discard(deadline)
 
     def size_url(self, url: str) -> tuple[str, str]:
         return "HEAD", url
@@ -157,18 +208,28 @@ class HttpStore:
     def data_url(self, url: str) -> str:
         return url
 
-    def size(self, url: str) -> int:
+    @staticmethod
+    def identity(headers: Mapping[str, str]) -> str | None:
+        """What names this version of the file: GCS's generation, else the ETag, else Last-Modified."""
+        for key in ("x-goog-generation", "etag", "last-modified"):
+            if headers.get(key):
+                return f"{key} {headers[key]}"
+        return None
+
+    def size(self, url: str) -> tuple[int, str | None]:
         method, target = self.size_url(url)
         status, headers, body = self._request(method, target, {})
         if status != 200:
             raise _classify(status, url, "its size request")
         if method == "GET":  # GCS's object metadata
-            return int(json.loads(body)["size"])
+            metadata = json.loads(body)
+            generation = metadata.get("generation")
+            return int(metadata["size"]), f"x-goog-generation {generation}" if generation else None
         if "content-length" not in headers:
             raise _Permanent("the server sends no Content-Length: its size is unknown")
-        return int(headers["content-length"])
+        return int(headers["content-length"]), self.identity(headers)
 
-    def read(self, url: str, start: int, length: int) -> tuple[bytes, int]:
+    def read(self, url: str, start: int, length: int) -> tuple[bytes, tuple[int, int, int], str | None]:
         status, headers, body = self._request("GET", self.data_url(url), {"Range": f"bytes={start}-{start + length - 1}"})
         if status == 200:
             raise _Permanent("the server ignored the Range header and sent the whole file: olmo_eqx reads "
@@ -176,14 +237,14 @@ class HttpStore:
                              "(on one machine: python -m olmo_eqx.data.serve DIR, not python -m http.server)")
         if status != 206:
             raise _classify(status, url, f"bytes {start}-{start + length - 1}")
-        return body, _content_range_total(headers.get("content-range"), url)
+        return body, _content_range(headers.get("content-range")), self.identity(headers)
 
 
 class GcsStore(HttpStore):
     """`gs://bucket/object` through GCS's JSON API (`alt=media` with a range)."""
 
-    def __init__(self, timeout_s: float):
-        super().__init__(timeout_s)
+    def __init__(self, timeout_s: float, cancelled: threading.Event | None = None):
+        super().__init__(timeout_s, cancelled)
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         if emulator:
             self.endpoint = emulator if "://" in emulator else f"http://{emulator}"
@@ -236,7 +297,7 @@ def _google_credentials():
 class S3Store:
     """`s3://bucket/key` through boto3; its own retries are off, so ours are counted."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, cancelled: threading.Event | None = None):
         try:
             import boto3
             import botocore.config
@@ -270,11 +331,23 @@ class S3Store:
                 raise _Permanent(f"no AWS credentials: {e} (docs/data.md, 'Credentials')") from e
             raise _Transient(f"{type(e).__name__}: {e}") from e
 
-    def size(self, url: str) -> int:
-        bucket, key = self._split(url)
-        return int(self._call("its size request", self._client.head_object, Bucket=bucket, Key=key)["ContentLength"])
+    @staticmethod
+    def identity(response: Mapping) -> str | None:
+        """The object's version id in a versioned bucket, else its ETag."""
+        for key in ("VersionId", "ETag"):
+            if response.get(key):
+                return f"{key} {response[key]}"
+        return None
 
-    def read(self, url: str, start: int, length: int) -> tuple[bytes, int]:
+    def cancel(self) -> None:
+        """Nothing to cut: botocore's read timeout bounds each read (see docs/data.md)."""
+
+    def size(self, url: str) -> tuple[int, str | None]:
+        bucket, key = self._split(url)
+        response = self._call("its size request", self._client.head_object, Bucket=bucket, Key=key)
+        return int(response["ContentLength"]), self.identity(response)
+
+    def read(self, url: str, start: int, length: int) -> tuple[bytes, tuple[int, int, int], str | None]:
         bucket, key = self._split(url)
         what = f"bytes {start}-{start + length - 1}"
         response = self._call(what, self._client.get_object, Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
@@ -282,11 +355,29 @@ class S3Store:
             body = response["Body"].read()
         except (self._errors.BotoCoreError, OSError) as e:
             raise _Transient(f"{type(e).__name__}: {e}") from e
-        return body, _content_range_total(response.get("ContentRange"), url)
+        return body, _content_range(response.get("ContentRange")), self.identity(response)
 
 
 # ---------------------------------------------------------------------------------------------
 # The reader every remote token file shares
+
+
+def _check_range(answered: tuple[int, int, int], start: int, length: int, received: int) -> None:
+    """The answer to `Range: bytes=start-(start+length-1)` must be that range (cut at the file's
+    end) and no longer: only the total used to be checked, so another range said plainly in
+    Content-Range was trained on, and an over-long body broke a numpy assignment."""
+    first, last, total = answered
+    wanted = (start, min(start + length, total) - 1)
+    if (first, last) != wanted:
+        raise _Permanent(
+            f"asked for bytes {wanted[0]}-{wanted[1]}, the server answered bytes {first}-{last} (Content-Range): "
+            "it does not serve byte ranges correctly; serve the files from one that does"
+        )
+    if received > last - first + 1:
+        raise _Permanent(
+            f"asked for bytes {first}-{last}, the server sent {received} bytes, {received - (last - first + 1)} too "
+            "many: it does not serve byte ranges correctly; serve the files from one that does"
+        )
 
 
 class RemoteReader:
@@ -306,6 +397,10 @@ class RemoteReader:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.stats = {"data_requests": 0, "data_retries": 0, "data_bytes": 0}
+        # url -> the version of the file first seen (ETag, generation, ...): every later answer
+        # must be of that version, so a file rewritten mid-run (even at the same size) stops it.
+        self._pinned: dict[str, str] = {}
+        self._cancelled = threading.Event()
 
     def _store(self, url: str):
         scheme = url.split("://", 1)[0]
@@ -313,7 +408,7 @@ class RemoteReader:
         with self._lock:
             if kind not in self._stores:
                 cls = {"http": HttpStore, "s3": S3Store, "gs": GcsStore}[kind]
-                self._stores[kind] = cls(self.policy.timeout_s)
+                self._stores[kind] = cls(self.policy.timeout_s, self._cancelled)
             return self._stores[kind]
 
     @property
@@ -328,12 +423,34 @@ class RemoteReader:
         with self._lock:
             self.stats[key] += n
 
+    def cancel(self) -> None:
+        """Stop reading, now: requests in flight are cut and no retry follows (a stop signal
+        must end the run within seconds, whatever the servers are doing)."""
+        self._cancelled.set()
+        with self._lock:
+            stores = list(self._stores.values())
+        for store in stores:
+            store.cancel()
+
+    def _pin(self, url: str, identity: str | None) -> None:
+        if identity is None:
+            return
+        first = self._pinned.setdefault(url, identity)
+        if first != identity:
+            raise _Permanent(
+                f"it changed on the server during the run ({first} -> {identity}): a run's data must not change "
+                "under it. Restore the original file and rerun to resume (the checkpoints are intact), or start a "
+                "new run on the new data"
+            )
+
     def _retrying(self, url: str, what: str, fn):
         policy, last = self.policy, None
         for attempt in range(policy.attempts):
             if attempt:
                 self._count("data_retries")
-                time.sleep(policy.delay(attempt - 1))
+                self._cancelled.wait(policy.delay(attempt - 1))
+            if self._cancelled.is_set():
+                raise RemoteFileError(f"{self.label} {url}: {what} stopped: the run is stopping") from None
             self._count("data_requests")
             try:
                 return fn()
@@ -348,19 +465,27 @@ class RemoteReader:
         ) from None
 
     def size(self, url: str) -> int:
-        return self._retrying(url, "its size request", lambda: self._store(url).size(url))
+        def attempt() -> int:
+            size, identity = self._store(url).size(url)
+            self._pin(url, identity)
+            return size
+
+        return self._retrying(url, "its size request", attempt)
 
     def read(self, url: str, start: int, length: int, expected_size: int) -> bytes:
         """Bytes [start, start + length) of `url`, which must still be `expected_size` bytes long."""
         store = self._store(url)
 
         def attempt() -> bytes:
-            body, total = store.read(url, start, length)
+            body, answered, identity = store.read(url, start, length)
+            total = answered[2]
             if total != expected_size:
                 raise _Permanent(
                     f"it is now {total} bytes, but the run recorded {expected_size}: the file changed since. Point "
                     "the run at the original data (or remove the run dir's data_sizes.json to start afresh)"
                 )
+            _check_range(answered, start, length, len(body))
+            self._pin(url, identity)
             if len(body) < length:
                 raise _Transient(f"{len(body)} of {length} bytes arrived")  # a cut-short body
             return body
@@ -376,9 +501,12 @@ class RemoteReader:
         store, parts, start, total = self._store(url), [], 0, None
         while total is None or start < total:
             def attempt(start=start, total=total) -> tuple[bytes, int]:
-                body, size = store.read(url, start, chunk)
+                body, answered, identity = store.read(url, start, chunk)
+                size = answered[2]
                 if total is not None and size != total:
                     raise _Permanent(f"it changed while being read (now {size} bytes, {total} before)")
+                _check_range(answered, start, min(chunk, size - start), len(body))
+                self._pin(url, identity)
                 if len(body) < min(chunk, size - start):
                     raise _Transient(f"{len(body)} of {min(chunk, size - start)} bytes arrived")
                 return body, size
@@ -399,12 +527,13 @@ class RemoteReader:
     def __getstate__(self) -> dict:
         # Locks, threads and connections do not pickle: a copy in another process opens its own.
         state = self.__dict__.copy()
-        state.update(_lock=None, _pool=None, _stores={})
+        state.update(_lock=None, _pool=None, _stores={}, _cancelled=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
 
     def close(self) -> None:
         with self._lock:

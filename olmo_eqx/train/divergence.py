@@ -7,12 +7,16 @@ rule has its history, the first non-finite update is *applied*), and the run use
 and says when to stop; `all_finite` is checked before every save, so a checkpoint never holds
 a non-finite state.
 
-Finite is not good: an update with a learning rate of 1e30 leaves finite weights (1e29) whose
-every later step is skipped. `SaveHealth` decides which saved steps are *good*, so retention
+Finite is not good. A loss can run away and stay finite for a hundred steps (gradient ascent:
+1,120 at step 10, 7e9 at step 100), so `DivergenceGuard` also stops a loss that stays above
+ln(vocab) + trainer.runaway_loss_margin for trainer.runaway_loss_steps steps in a row. And an
+update with a learning rate of 1e30 leaves finite weights (1e29) whose every later step is
+skipped. `SaveHealth` decides which saved steps are *good*, so retention
 keeps the last good one through the trouble and a divergence stop can name it:
 
-    a step is healthy when its loss and grad norm are finite and the skip-step rule kept it
-    (it judges them against their recent range); a step's loss is measured on the weights the
+    a step is healthy when its loss and grad norm are finite, its loss has not run away (is
+    not above ln(vocab) + trainer.runaway_loss_margin), and the skip-step rule kept it (it
+    judges them against their recent range); a step's loss is measured on the weights the
     step before it left, so a checkpoint of step s is good once a healthy step follows it.
     Skipped steps in between leave the weights as saved, so they neither confirm nor condemn.
 """
@@ -39,6 +43,16 @@ def all_finite(tree: PyTree) -> Bool[Array, ""]:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def runaway_loss_limit(vocab_size: int, margin: Optional[float]) -> float:
+    """The loss above which a step counts as run away: ln(vocab_size) + margin nats (inf: off).
+
+    ln(vocab) is the cross-entropy of a uniform guess, about where a freshly initialised model
+    starts; a run that scores worse than that by `margin` has stopped learning, whatever its
+    grad norm says (the skip-step rule cannot see a loss that climbs steadily: its window climbs
+    with it)."""
+    return math.inf if margin is None else math.log(vocab_size) + margin
+
+
 @dataclass
 class DivergenceGuard:
     """Host-side watch over the per-step metrics.
@@ -53,6 +67,10 @@ class DivergenceGuard:
     min_history: Optional[int]
     max_consecutive_skips: int
     consecutive_skips: int = 0
+    # A finite loss above loss_limit for runaway_steps steps in a row stops the run too.
+    loss_limit: float = math.inf
+    runaway_steps: int = 3
+    runaway: int = 0
 
     def observe(self, step: int, loss: float, grad_norm: float, skipped: bool) -> Optional[str]:
         """Why training must stop after `step`'s metrics, or None to go on."""
@@ -65,6 +83,12 @@ class DivergenceGuard:
             )
             return f"loss {loss} and grad norm {grad_norm} at step {step}, {when}"
         self.history += finite
+        self.runaway = self.runaway + 1 if finite and loss > self.loss_limit else 0
+        if self.runaway >= self.runaway_steps:
+            return (
+                f"the loss ran away: above {self.loss_limit:.2f} (ln(vocab size) + trainer.runaway_loss_margin) "
+                f"for {self.runaway} steps in a row up to step {step} (loss {loss:.4g}, grad norm {grad_norm:.4g})"
+            )
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         if self.consecutive_skips > self.max_consecutive_skips:
             return (
@@ -84,6 +108,8 @@ class SaveHealth:
 
     last_good: Optional[int] = None
     unconfirmed: list[int] = field(default_factory=list)
+    # A loss above this (`runaway_loss_limit`) is finite but not healthy.
+    loss_limit: float = math.inf
 
     @classmethod
     def resumed(cls, step: int, stored: Optional[dict]) -> "SaveHealth":
@@ -105,7 +131,7 @@ class SaveHealth:
 
     def observe(self, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
         """Step `step`'s metrics: a healthy step confirms every step saved before it."""
-        if skipped or not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if skipped or not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > self.loss_limit:
             return
         confirmed = [s for s in self.unconfirmed if s < step]
         if confirmed:

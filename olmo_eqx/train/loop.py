@@ -7,7 +7,8 @@
 
 Resume is automatic: a checkpoint holds the weights, optimiser state, step and data position
 together, so a rerun with the same output directory continues bit for bit. SIGTERM/SIGINT
-finish the step in flight, save a checkpoint and return normally (exit status 0).
+finish the step in flight (or, while the loop waits on a slow data server, cut the reads and
+stop at the last step trained), save a checkpoint and return normally (exit status 0).
 
 What goes wrong stops the run with one line (a `TrainError`) and nothing lost: a second run
 on the same run dir (`run_lock`), an unwritable or too small checkpoint dir (before
@@ -43,9 +44,9 @@ from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
 from olmo_eqx.checkpoint_storage import check_storage
 from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
-from olmo_eqx.config import Config, config_to_dict
+from olmo_eqx.config import Config, config_to_dict, resume_changes
 from olmo_eqx.data.instances import InstanceDataset
-from olmo_eqx.data.loader import DataLoader, Prefetcher, global_batch_arrays
+from olmo_eqx.data.loader import DataLoader, Interrupted, Prefetcher, global_batch_arrays
 from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.remote import SizeCache
 from olmo_eqx.data.sources import build_datasets, document_options, remote_sizes  # noqa: F401  (also imported from here)
@@ -58,8 +59,8 @@ from olmo_eqx.processes import FailureWatch
 from olmo_eqx.run_dir import CONFIG_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
-from olmo_eqx.sinks import METRICS_FILE, check_loggers
-from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite
+from olmo_eqx.sinks import METRICS_FILE, check_loggers, last_recorded_step
+from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite, runaway_loss_limit
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
@@ -141,7 +142,7 @@ def _restore_or_init(
             f"{checkpointer.directory} already holds checkpoints (latest step {steps[-1]}) and "
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
-    state, loader_state, start_step, health = None, None, 0, SaveHealth()
+    state, loader_state, start_step, health, stored_config = None, None, 0, SaveHealth(), None
     if steps:
         target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
         unusable = []
@@ -154,6 +155,7 @@ def _restore_or_init(
                 unusable.append(f"{e}; set aside: {checkpointer.set_aside(step, e.reason)}")
                 continue
             state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
+            stored_config = restored.config
             health = SaveHealth.resumed(step, restored.health)
             break
         fallback = f"falling back to step {start_step}" if state is not None else "no usable checkpoint is left"
@@ -177,9 +179,25 @@ def _restore_or_init(
         raise TrainError(str(e)) from e
     if loader.step != start_step:
         raise TrainError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
+    if stored_config is not None and (changed := resume_changes(stored_config, config)):
+        checkpoint = str(checkpointer.directory / str(start_step))
+        notes.append(_resume_changes_note(changed, config.checkpoint.accept_changes, checkpoint))
     if state is None:
         state = init_state(config, mesh, rules)
     return state, loader, start_step, health
+
+
+def _resume_changes_note(changed: dict, accepted: tuple[str, ...], checkpoint: str) -> str:
+    """The line a resume with changed settings prints; raises `TrainError` (before anything in
+    the run dir changes) unless checkpoint.accept_changes names every changed key."""
+    said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+    refused = [key for key in changed if key not in accepted]
+    if refused:
+        raise TrainError(
+            f"cannot resume from {checkpoint} with changed settings: {said}. Give the checkpoint's values to "
+            f"continue that run, or add checkpoint.accept_changes=[{','.join(changed)}] to resume with the new ones"
+        )
+    return f"Resuming with changed settings (checkpoint.accept_changes): {said}"
 
 
 @contextmanager
@@ -243,9 +261,9 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, dir=checkpoint_dir))
         if main_process:
             check_storage(checkpoint_dir, abstract_train_state(config.model, config.optim))
-            if own_dir and "://" not in checkpoint_dir:
+            if own_dir and ("://" not in checkpoint_dir or checkpoint_dir.startswith(("s3://", "gs://"))):
                 try:
-                    if note := claim_checkpoint_dir(Path(checkpoint_dir), run_dir):
+                    if note := claim_checkpoint_dir(checkpoint_dir, run_dir):
                         notes = (*notes, note)
                 except CheckpointDirOwnedError as e:
                     raise TrainError(str(e)) from e
@@ -264,6 +282,10 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                 out.write_config(config_dict)
                 if main_process:
                     size_cache.save(remote_sizes(dataset, heldout))
+                recorded = last_recorded_step(out.file(METRICS_FILE)) if main_process else None
+                if recorded is not None and recorded > start_step:  # e.g. a host lost before its upload
+                    notes.append(f"{out.file(METRICS_FILE)} records steps up to {recorded}, past the checkpoint resumed "
+                                 f"(step {start_step}): steps {start_step + 1}-{recorded} are trained again")
                 for note in notes:
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
@@ -325,9 +347,12 @@ class _Loop:
             history=int(jax.device_get(state.history_count)),
             min_history=config.optim.skip_history_needed if config.optim.skip_step_std else None,
             max_consecutive_skips=trainer.max_consecutive_skips,
+            loss_limit=runaway_loss_limit(config.model.vocab_size, trainer.runaway_loss_margin),
+            runaway_steps=trainer.runaway_loss_steps,
         )
         # Which saves are known good: retention keeps the last of them through any trouble.
         self.health = health
+        health.loss_limit = self.guard.loss_limit
         checkpointer.protect(health.last_good)
         self.throughput = Throughput(data.global_batch_size * data.sequence_length)
         self.recent_losses: list[float] = []
@@ -521,10 +546,17 @@ class _Loop:
         workers = depth if self.loader.dataset.reader is not None else 1
         prefetcher = Prefetcher(self.loader, depth=depth, transform=to_global, workers=workers)
         with stop_on_signals(self.out.print) as stop, prefetcher as batches:
+            if jax.process_count() == 1:  # several processes must agree on their last step: at log steps
+                prefetcher.interrupted = lambda: bool(stop)
             try:
                 for step in range(self.start_step + 1, self.end_step + 1):
                     profiler.before_step(step)
-                    self.state, metrics = self.train_step(self.state, next(batches))
+                    try:
+                        batch = next(batches)
+                    except Interrupted:  # a signal while a slow server held the batch: stop at the last step
+                        interrupted, self.end_step = stop.signal, step - 1
+                        break
+                    self.state, metrics = self.train_step(self.state, batch)
                     profiler.after_step(step, metrics)
                     checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
                     if pending is not None:  # the previous step's metrics, one step late
@@ -555,7 +587,7 @@ class _Loop:
                     self.record(*pending, boundary=False)
             finally:
                 profiler.stop()  # a run stopped inside the profiled range still leaves its trace
-        if self.start_step >= self.end_step:
+        if self.start_step >= self.end_step and interrupted is None:
             self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
                            f"{trainer.stop_at or trainer.steps}")
             if self.eval_batches:
