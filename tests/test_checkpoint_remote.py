@@ -289,3 +289,46 @@ def test_a_prefix_belongs_to_one_run_dir_on_s3_and_gcs_and_a_store_refusing_writ
     finally:
         server.refuse_writes = False
         server.stop()
+
+
+def test_a_bucket_refusing_writes_mid_run_stops_it_in_one_line_and_the_rerun_resumes(s3, tmp_path, monkeypatch):
+    """Issue 42 row 8 on S3: from step 6's upload on, moto answers every write with 403
+    AccessDenied (its backend's put_object, which uploads, copies and multipart completions all
+    go through), so boto3's upload_file raises S3UploadFailedError. The run stops with one line
+    naming the step's URL (a RunError: status 2 at the command line), step 6 is not committed
+    there but kept staged, and the rerun, the bucket writable again, uploads it and resumes from it."""
+    from moto.s3.exceptions import S3AccessDeniedError
+    from moto.s3.models import S3Backend
+
+    from olmo_eqx.checkpoint_storage import CheckpointSaveError
+    from olmo_eqx.config import compose_config
+    from olmo_eqx.errors import RunError
+    from olmo_eqx.train.loop import train
+
+    from clihelp import TINY
+
+    monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path / "staging"))
+    url, prefix = f"s3://{BUCKET}/run8", "run8/"
+    put, refused_keys = S3Backend.put_object, []
+
+    def put_until_step_6(self, bucket_name, key_name, *args, **kwargs):
+        if key_name.startswith(f"{prefix}6/") or refused_keys:  # the bucket turns read-only
+            refused_keys.append(key_name)
+            raise S3AccessDeniedError()
+        return put(self, bucket_name, key_name, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "put_object", put_until_step_6)
+    config = compose_config(TINY + [f"checkpoint.dir={url}", "trainer.eval_every=0"])
+    with pytest.raises(CheckpointSaveError) as refused:
+        train(config, tmp_path / "run")
+    message = str(refused.value)
+    assert isinstance(refused.value, RunError) and "\n" not in message, message
+    assert message.startswith(f"uploading checkpoint step 6 to {url}/6 failed: checkpoint store {url}: upload of 6/"), message
+    assert "S3UploadFailedError" in message and "AccessDenied" in message and "rerun to resume" in message
+    assert refused_keys and not [k for k in keys(s3, prefix) if k.startswith("6/")]  # nothing of step 6 there
+
+    monkeypatch.setattr(S3Backend, "put_object", put)
+    summary = train(config, tmp_path / "run")
+    assert summary["start_step"] == 6 and summary["stage_completed"]
+    with Checkpointer(url, read_only=True, staging=tmp_path / "look") as reader:
+        assert reader.all_steps() == [6, 12]
