@@ -55,7 +55,8 @@ from etils import epath
 
 from .checkpoint_digests import DIGEST_FILE, DigestMismatch, digest_files, has_digests, verify_digests, write_digests
 from .checkpoint_pins import pinned_steps, pins_locked
-from .checkpoint_remote import COMMITTED as COMMITTED_OBJECT, SET_ASIDE_MARKER as SET_ASIDE_OBJECT, ObjectStoreError, RemoteSteps, default_staging, is_object_store
+from .checkpoint_remote import COMMITTED as COMMITTED_OBJECT, SET_ASIDE_MARKER as SET_ASIDE_OBJECT, ObjectStoreError, RemoteSteps
+from .checkpoint_remote import StagedRecord, default_staging, is_object_store
 from .checkpoint_retention import steps_to_delete
 from .checkpoint_storage import CheckpointSaveError, os_reason
 from .models.config import ModelConfig, YarnConfig
@@ -198,6 +199,8 @@ class Checkpointer:
 
     keep_last: newest checkpoints kept; keep_every: also keep steps divisible by it.
     read_only: open someone else's checkpoints (eval, export) without touching the directory.
+    staged_record: on an object store, a file (in the run dir) recording the steps committed
+    in the staging dir and not yet uploaded (`checkpoint_remote.StagedRecord`).
     Saves are asynchronous: `save` returns once the arrays are copied off the devices;
     call `wait_until_finished()` before reading a checkpoint back and `close()` at the end.
     """
@@ -211,6 +214,7 @@ class Checkpointer:
         async_save: bool = True,
         read_only: bool = False,
         staging: Optional[str | os.PathLike] = None,
+        staged_record: Optional[str | os.PathLike] = None,
     ):
         # Orbax refuses relative paths: resolve local ones against the current directory;
         # URLs (gs://...) are already absolute and go through etils' epath like Orbax itself.
@@ -222,6 +226,7 @@ class Checkpointer:
         # digests and a commit object written last (`checkpoint_remote.py`); every local
         # guarantee then holds there. Other URLs go straight to Orbax, unverified.
         self.remote: Optional[RemoteSteps] = None
+        self.staged_record: Optional[StagedRecord] = None
         orbax_dir = self.directory
         if is_object_store(text):
             if jax.process_count() > 1:
@@ -230,6 +235,7 @@ class Checkpointer:
                     f"(this run has {jax.process_count()}); use a shared filesystem (e.g. a gcsfuse or s3 mount) as checkpoint.dir"
                 )
             self.remote = RemoteSteps(text)
+            self.staged_record = StagedRecord(staged_record) if staged_record is not None and not read_only else None
             # A reader gets a staging dir of its own: it must not touch a live writer's.
             staged = Path(staging).expanduser().resolve() if staging is not None else default_staging(text)
             if read_only:  # shared by this process's readers, removed at its exit
@@ -271,6 +277,11 @@ class Checkpointer:
             self._upload_pending()
 
     # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def staging_dir(self) -> Optional[Path]:
+        """The local dir Orbax saves into before the upload (object stores only)."""
+        return self._local if self.remote is not None else None
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first (half-written ones never appear).
@@ -388,6 +399,8 @@ class Checkpointer:
             return
         if jax.process_count() == 1:
             write_digests(tmp_dirs[-1])
+            if self.staged_record is not None:  # the last moment before the local commit
+                self.staged_record.staged(self._saving, self._local / str(self._saving))
             return
         post(f"{self._save_key}/request", str(tmp_dirs[-1]))
         files = digest_files(tmp_dirs[-1], process=0)
@@ -417,6 +430,8 @@ class Checkpointer:
         # those threads are done.
         self._failed_step = step
         self._saving = None
+        if self.staged_record is not None:  # its staged copy is removed with the leftovers
+            self.staged_record.dropped(step)
         with contextlib.suppress(Exception):
             _listed(self._manager.reload)
         raise CheckpointSaveError(
@@ -518,6 +533,8 @@ class Checkpointer:
                 "credentials, then rerun to resume from the last committed step"
             ) from e
         self._verified.add(step)
+        if self.staged_record is not None:
+            self.staged_record.uploaded(step)
         held = set(self.remote.committed_steps())
         for path in self._local.iterdir():
             if path.name.isdigit() and int(path.name) in held:

@@ -32,15 +32,22 @@ metadata; `AWS_ENDPOINT_URL` for S3-compatible stores), Application Default Cred
 GCS (`STORAGE_EMULATOR_HOST` for an emulator). Readers (eval, a later stage's
 `checkpoint.load`) download into a staging dir of their own process, shared by its readers and
 removed at exit. Limits: one process (a multi-process run needs every process's files in one
-place before the upload: not done yet), and the upload of a save runs when the next save
-starts or the run closes, in the training thread (a run killed before it leaves the step
-committed in its staging dir; the next writer of the URL on that machine uploads it). Tested on moto's S3 server and on
-`tests/rangeserver.py`'s emulation of GCS's JSON API.
+place before the upload: not done yet), and the upload of a save runs in the training thread
+at the first step after its local commit (or the next save, or the close). A run killed in
+between leaves the step committed in its staging dir: the next writer of the URL on that
+machine, with that staging dir, uploads it; a rerun elsewhere cannot, so the run dir keeps
+`StagedRecord` (`checkpoint_staged.json`: each step committed locally and not yet uploaded,
+with its host and path), and that rerun says which newer step it is not resuming from, and
+where it is. Tested on moto's S3 server and on `tests/rangeserver.py`'s emulation of GCS's
+JSON API.
 """
 
 import hashlib
 import json
+import logging
 import os
+import socket
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -61,6 +68,61 @@ class ObjectStoreError(RunError):
 
 def is_object_store(path) -> bool:
     return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+STAGED_RECORD = "checkpoint_staged.json"
+
+
+class StagedRecord:
+    """A run dir's record of the steps committed in a staging dir but not (yet) uploaded:
+    `{"<step>": {"host": ..., "path": ...}}`, rewritten whole (tmp file, rename). A step is
+    added just before its local commit and dropped once a step at least as new is uploaded,
+    so what is left after a lost host is what only that host's disk holds."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def entries(self) -> dict[int, dict]:
+        try:
+            return {int(step): where for step, where in json.loads(self.path.read_text()).items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, AttributeError) as e:  # unreadable: only a hint is lost
+            logging.getLogger(__name__).warning("ignoring %s: %s", self.path, e)
+            return {}
+
+    def _write(self, entries: dict[int, dict]) -> None:
+        try:
+            if not entries:
+                self.path.unlink(missing_ok=True)
+                return
+            tmp = self.path.with_name(f"{self.path.name}.tmp")
+            tmp.write_text(json.dumps({str(k): v for k, v in sorted(entries.items())}, indent=1) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            # Called from Orbax's finalising thread too, where an error would fail the save:
+            # the record is a hint for a rerun elsewhere, and a full run dir stops the run anyway.
+            logging.getLogger(__name__).warning("could not update %s: %s", self.path, e)
+
+    def staged(self, step: int, path: Path) -> None:
+        with self._lock:
+            entries = self.entries()
+            entries[int(step)] = {"host": socket.gethostname(), "path": str(path)}
+            self._write(entries)
+
+    def uploaded(self, step: int) -> None:
+        """Step `step` is in the store: older staged steps will never be resumed from either."""
+        with self._lock:
+            entries = self.entries()
+            if entries:
+                self._write({k: v for k, v in entries.items() if k > step})
+
+    def dropped(self, step: int) -> None:
+        with self._lock:
+            entries = self.entries()
+            if int(step) in entries:
+                self._write({k: v for k, v in entries.items() if k != int(step)})
 
 
 def default_staging(url: str) -> Path:

@@ -13,10 +13,14 @@ than asked, a body trickled a byte at a time, a store refusing writes (403); and
 request is answered (e.g. to rewrite a file mid-run). Answers carry the file's version as real
 servers do: an ETag and Last-Modified from its mtime and size (as nginx), and on GCS's paths
 its `x-goog-generation` (its mtime in ns).
+
+`TrickleProxy` puts the trickle in front of any other server (moto's S3): a TCP proxy whose
+answers, once `trickle_s` is set, go back a byte at a time, headers and body alike.
 """
 
 import json
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -213,3 +217,57 @@ class RangeServer:
                 handler.wfile.flush()
             except OSError:  # the client gave up
                 return
+
+
+class TrickleProxy:
+    """A TCP proxy on 127.0.0.1 to `upstream` (host, port): requests pass at once; answers pass
+    at once too, or, while `trickle_s` is set, one byte every `trickle_s` seconds (each gap far
+    under a client's socket timeout, so only a wall-clock deadline ends such a read)."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream, self.trickle_s = upstream, 0.0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # stopped
+                return
+            upstream = socket.create_connection(self.upstream)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if not (answers and self.trickle_s):
+                    dst.sendall(data)
+                    continue
+                for i in range(len(data)):
+                    time.sleep(self.trickle_s)
+                    dst.sendall(data[i:i + 1])
+        except OSError:  # either side gave up
+            pass
+        for sock in (src, dst):  # one side closed: so does the other
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()

@@ -289,3 +289,104 @@ def test_a_prefix_belongs_to_one_run_dir_on_s3_and_gcs_and_a_store_refusing_writ
     finally:
         server.refuse_writes = False
         server.stop()
+
+
+def test_a_bucket_refusing_writes_mid_run_stops_it_in_one_line_and_the_rerun_resumes(s3, tmp_path, monkeypatch):
+    """Issue 42 row 8 on S3: from step 6's upload on, moto answers every write with 403
+    AccessDenied (its backend's put_object, which uploads, copies and multipart completions all
+    go through), so boto3's upload_file raises S3UploadFailedError. The run stops with one line
+    naming the step's URL (a RunError: status 2 at the command line), step 6 is not committed
+    there but kept staged, and the rerun, the bucket writable again, uploads it and resumes from it."""
+    from moto.s3.exceptions import S3AccessDeniedError
+    from moto.s3.models import S3Backend
+
+    from olmo_eqx.checkpoint_storage import CheckpointSaveError
+    from olmo_eqx.config import compose_config
+    from olmo_eqx.errors import RunError
+    from olmo_eqx.train.loop import train
+
+    from clihelp import TINY
+
+    monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path / "staging"))
+    url, prefix = f"s3://{BUCKET}/run8", "run8/"
+    put, refused_keys = S3Backend.put_object, []
+
+    def put_until_step_6(self, bucket_name, key_name, *args, **kwargs):
+        if key_name.startswith(f"{prefix}6/") or refused_keys:  # the bucket turns read-only
+            refused_keys.append(key_name)
+            raise S3AccessDeniedError()
+        return put(self, bucket_name, key_name, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "put_object", put_until_step_6)
+    config = compose_config(TINY + [f"checkpoint.dir={url}", "trainer.eval_every=0"])
+    with pytest.raises(CheckpointSaveError) as refused:
+        train(config, tmp_path / "run")
+    message = str(refused.value)
+    assert isinstance(refused.value, RunError) and "\n" not in message, message
+    assert message.startswith(f"uploading checkpoint step 6 to {url}/6 failed: checkpoint store {url}: upload of 6/"), message
+    assert "S3UploadFailedError" in message and "AccessDenied" in message and "rerun to resume" in message
+    assert refused_keys and not [k for k in keys(s3, prefix) if k.startswith("6/")]  # nothing of step 6 there
+
+    monkeypatch.setattr(S3Backend, "put_object", put)
+    summary = train(config, tmp_path / "run")
+    assert summary["start_step"] == 6 and summary["stage_completed"]
+    with Checkpointer(url, read_only=True, staging=tmp_path / "look") as reader:
+        assert reader.all_steps() == [6, 12]
+
+
+def test_a_host_lost_before_an_upload_the_rerun_elsewhere_resumes_from_the_bucket_naming_the_step_it_lacks(
+    s3, tmp_path, monkeypatch, capsys
+):
+    """Issue 42 row 5: step 6 reached the bucket, then the host was lost once step 12 was
+    committed in its staging dir, before its upload (emulated: the upload of step 12 never
+    runs, nor anything after it). A rerun with another staging dir (another host) resumes from
+    step 6 and says so, names step 12 and where it is staged, and that steps 7-12 are trained
+    again; following its advice (the first staging dir) uploads step 12. The run dir's
+    checkpoint_staged.json is what knows of step 12; it is gone once uploaded."""
+    from olmo_eqx.checkpoint_remote import STAGED_RECORD, default_staging
+    from olmo_eqx.config import compose_config
+    from olmo_eqx.train.loop import train
+
+    from clihelp import TINY
+
+    url, run_dir = f"s3://{BUCKET}/run5e", tmp_path / "run"
+    args = [*TINY, f"checkpoint.dir={url}", "trainer.eval_every=0"]
+    upload = Checkpointer._upload
+
+    class HostLost(BaseException):
+        pass
+
+    def upload_until_12(self, step):
+        if step == 12:
+            raise HostLost()
+        return upload(self, step)
+
+    monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path / "host_a"))
+    monkeypatch.setattr(Checkpointer, "_upload", upload_until_12)
+    with pytest.raises(HostLost):
+        train(compose_config(args), run_dir)
+    monkeypatch.setattr(Checkpointer, "_upload", upload)
+    staged = default_staging(url) / "12"
+    record = json.loads((run_dir / STAGED_RECORD).read_text())
+    assert list(record) == ["12"] and record["12"]["path"] == str(staged) and (staged / "commit_success.txt").is_file()
+    host = record["12"]["host"]
+    with Checkpointer(url, read_only=True, staging=tmp_path / "look") as reader:
+        assert reader.all_steps() == [6]
+
+    monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path / "host_b"))
+    capsys.readouterr()
+    # stop_at=6: the resume and what it says are the point here, not training steps 7-12 again.
+    assert train(compose_config([*args, "trainer.stop_at=6"]), run_dir)["start_step"] == 6
+    said = capsys.readouterr().out.splitlines()
+    assert f"Resuming from {url}/6 (step 6)" in said
+    assert (f"checkpoint step 12 was saved in the staging dir {staged} on host {host} but never uploaded to {url}/12 "
+            f"(the run stopped, or its upload failed): resuming from step 6. To resume from step 12 instead, stop this "
+            f"run and rerun on {host} with OLMO_EQX_CHECKPOINT_STAGING={tmp_path / 'host_a'}, which uploads it first") in said
+    assert (f"{run_dir / 'metrics.jsonl'} records steps up to 12, past the checkpoint resumed (step 6): steps 7-12 "
+            "are trained again") in said
+
+    # The advice: the run's writer on the first staging dir uploads step 12 before anything
+    # else (a rerun then resumes from it: test_a_save_committed_locally_but_never_uploaded_...).
+    with Checkpointer(url, staging=staged.parent, staged_record=run_dir / STAGED_RECORD) as rerun:
+        assert rerun.all_steps() == [6, 12] and rerun.verify(12)
+    assert not (run_dir / STAGED_RECORD).exists()

@@ -25,7 +25,7 @@ from olmo_eqx.train.loop import TrainError, train
 from olmo_eqx.train.state import sharded_abstract_train_state
 
 from clihelp import TINY
-from rangeserver import RangeServer
+from rangeserver import RangeServer, TrickleProxy
 from test_pretrain import read_metrics
 
 VOCAB = 4096  # olmo3_nano's
@@ -488,3 +488,50 @@ def test_a_trickling_server_times_out_and_sigterm_ends_the_run_within_seconds(co
     again = train(config, tmp_path)
     assert again["start_step"] == summary["end_step"] and again["stage_completed"]
     assert_same_run(tmp_path, *local_run)
+
+
+def test_a_trickling_s3_server_times_out_and_cancel_cuts_its_reads(s3, monkeypatch):
+    """The same trickle in front of moto's S3 (a proxy sending its answers a byte every 50 ms,
+    headers and body): botocore's read timeout, per socket read, never fires, but the read's
+    wall-clock deadline ends it; and `cancel`, what a SIGTERM calls (the HTTP test above runs
+    the signal end to end), cuts a read in flight at once rather than after the trickle."""
+    import threading
+    import time
+    import urllib.parse
+
+    moto = urllib.parse.urlsplit(os.environ["AWS_ENDPOINT_URL"])
+    proxy = TrickleProxy((moto.hostname, moto.port))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # read by each S3 client made from here on
+    url = f"{s3}/olmo/data/eval/heldout.npy"
+    try:
+        reader = RemoteReader(RetryPolicy(attempts=1, timeout_s=0.5))
+        size = reader.size(url)
+        proxy.trickle_s = 0.05  # an answer of ~500 bytes: ~25 s
+        started = time.monotonic()
+        with pytest.raises(RemoteFileError, match=rf"^token file {url}: reading bytes 0-127 failed 1 times, last with "
+                                                  r"no complete answer within 0.5s \(data.remote_timeout_s\)"):
+            reader.read(url, 0, 128, size)
+        assert time.monotonic() - started < 2
+
+        proxy.trickle_s = 0.0
+        reader, ended = RemoteReader(RetryPolicy(attempts=3, backoff_s=0.01, timeout_s=60.0)), []
+        size = reader.size(url)
+        proxy.trickle_s = 0.05
+
+        def read():
+            try:
+                reader.read(url, 0, 128, size)
+            except RemoteFileError as e:
+                ended.append((time.monotonic(), str(e)))
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        cancelled = time.monotonic()
+        reader.cancel()
+        thread.join(3)
+        assert ended and ended[0][0] - cancelled < 1, ended
+        assert ended[0][1] == f"token file {url}: reading bytes 0-127 stopped: the run is stopping"
+    finally:
+        proxy.trickle_s = 0.0
+        proxy.stop()

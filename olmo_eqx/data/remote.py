@@ -7,8 +7,8 @@ its `sequence_length` tokens. Every range answer carries the object's current to
 since the run recorded it is refused at its first read, whatever the cache says. The range
 answered must be the range asked for, and each file's version (ETag, GCS generation, S3
 version id) is pinned when first seen, so a same-size rewrite mid-run stops the run too.
-Each HTTP request has a wall-clock deadline (`RetryPolicy.timeout_s`), and `cancel` cuts the
-requests in flight (a stop signal must not wait on a slow server).
+Each request (HTTP, GCS or S3) has a wall-clock deadline (`RetryPolicy.timeout_s`), and
+`cancel` cuts the requests in flight (a stop signal must not wait on a slow server).
 
 Clients (docs/data.md, "Remote token files", says why these):
     http(s)://host/path   the standard library's `http.client`, one kept-alive connection per
@@ -108,17 +108,24 @@ def _content_range(header: str | None) -> tuple[int, int, int]:
 class _Cut:
     """A wall-clock deadline on one request: at `timeout_s` (or on `cancel`) the connection's
     socket is shut down, which ends a `recv` blocked on a server that sends a byte now and then
-    (each gap under the socket timeout, so that timeout alone never fires)."""
+    (each gap under the socket timeout, so that timeout alone never fires). `conn` is any
+    http.client connection (urllib3's, under botocore, are too); for S3 it is only known once
+    botocore's pool hands one out, so it may be attached later."""
 
-    def __init__(self, conn: http.client.HTTPConnection, timeout_s: float):
+    def __init__(self, conn: http.client.HTTPConnection | None, timeout_s: float):
         self.conn, self.fired = conn, False
         self._timer = threading.Timer(timeout_s, self.cut)
         self._timer.daemon = True
         self._timer.start()
 
+    def attach(self, conn: http.client.HTTPConnection) -> None:
+        self.conn = conn
+        if self.fired:  # the deadline passed (or the run stopped) before a connection was free
+            self.cut()
+
     def cut(self) -> None:
         self.fired = True
-        sock = self.conn.sock
+        sock = getattr(self.conn, "sock", None)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -189,8 +196,10 @@ class HttpStore:
             conn.request(method, target, headers={**self.headers(url), **headers})
             response = conn.getresponse()
             body = response.read()
-            if deadline.fired:  # cut just as the answer completed: the connection is gone
-                conn.close()
+            if deadline.fired:
+                # Cut: http.client takes an end of input within the headers for their end, so
+                # an answer cut there arrives without error, its later headers missing.
+                raise ConnectionAbortedError("cut")
             return response.status, {k.lower(): v for k, v in response.getheaders()}, body
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut short
             conn.close()  # a broken connection is reopened by the next request
@@ -294,8 +303,18 @@ def _google_credentials():
 # S3 through boto3
 
 
+class _CutShort(Exception):
+    """A call whose deadline passed before it had a connection (not an OSError, which urllib3
+    would wrap and botocore might retry)."""
+
+
 class S3Store:
-    """`s3://bucket/key` through boto3; its own retries are off, so ours are counted."""
+    """`s3://bucket/key` through boto3; its own retries are off, so ours are counted.
+
+    botocore's read timeout bounds each socket read only, so, as for HTTP, every call has a
+    wall-clock deadline (a `_Cut`) and `cancel` cuts the calls in flight: botocore's connection
+    pools are made to attach the connection each call gets to that call's `_Cut`, whose timer
+    shuts its socket down (headers or body, whichever is being read)."""
 
     def __init__(self, timeout_s: float, cancelled: threading.Event | None = None):
         try:
@@ -305,31 +324,85 @@ class S3Store:
         except ImportError as e:
             raise DataFileError("s3:// token files need boto3: pip install 'olmo_eqx[remote]'") from e
         self._errors = botocore.exceptions
+        # total_max_attempts, not max_attempts: in botocore's Config the latter counts retries
+        # (max_attempts=1 is one uncounted retry), and a retry after a cut would start afresh.
         config = botocore.config.Config(
-            retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=timeout_s, read_timeout=timeout_s,
-            max_pool_connections=256,
+            retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=timeout_s,
+            read_timeout=timeout_s, max_pool_connections=256,
         )
         self._client = boto3.session.Session().client("s3", config=config)
+        self.timeout_s = timeout_s
+        self.cancelled = cancelled or threading.Event()
+        self._current = threading.local()  # .cut: the _Cut of this thread's call in flight
+        self._inflight: set[_Cut] = set()
+        self._inflight_lock = threading.Lock()
+        self._watch_connections()
+
+    def _watch_connections(self) -> None:
+        """Subclass the connection pools of this client's HTTP session (botocore's
+        `URLLib3Session._pool_classes_by_scheme`, a dict its pool managers share and read when
+        they open a pool for a host) so that a connection taken from a pool is attached to the
+        calling thread's `_Cut`. Private to botocore (there since 2018); without it a read has
+        botocore's per-read timeout only, which is said once."""
+        current = self._current
+        try:
+            classes = self._client._endpoint.http_session._pool_classes_by_scheme
+        except AttributeError:
+            import warnings
+
+            warnings.warn("this botocore has no URLLib3Session._pool_classes_by_scheme: s3:// reads have no "
+                          "wall-clock deadline and a stop signal waits for them (docs/data.md)", stacklevel=2)
+            return
+        for scheme, base in list(classes.items()):
+            class Watched(base):
+                def _get_conn(self, timeout=None):
+                    conn = super()._get_conn(timeout)
+                    cut = getattr(current, "cut", None)
+                    if cut is not None:
+                        if cut.fired:  # past the deadline, or stopping: no new connection
+                            self._put_conn(conn)
+                            raise _CutShort()
+                        cut.attach(conn)
+                    return conn
+
+            classes[scheme] = Watched
 
     @staticmethod
     def _split(url: str) -> tuple[str, str]:
         bucket, _, key = url[len("s3://"):].partition("/")
         return bucket, key
 
-    def _call(self, what: str, fn, **kwargs):
+    def _call(self, what: str, fn, body: bool = False, **kwargs):
+        """`fn(**kwargs)`, and with `body` its streamed body read too (as `response["Body"]`,
+        bytes), within one deadline."""
         errors = self._errors
+        cut = self._current.cut = _Cut(None, self.timeout_s)
+        with self._inflight_lock:
+            self._inflight.add(cut)
         try:
-            return fn(**kwargs)
+            response = fn(**kwargs)
+            if body:
+                response["Body"] = response["Body"].read()
+            if cut.fired:  # an answer cut within its headers arrives without error, headers missing
+                raise ConnectionAbortedError("cut")
+            return response
         except errors.ClientError as e:
             status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             code = e.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchKey", "NoSuchBucket"):
                 status = 404
             raise _classify(status or 500, what, what) from e
-        except (errors.BotoCoreError, OSError) as e:  # connection refused / reset / timeout
+        except (errors.BotoCoreError, OSError, _CutShort) as e:  # connection refused / reset / timeout / cut
             if isinstance(e, (errors.NoCredentialsError, errors.PartialCredentialsError)):
                 raise _Permanent(f"no AWS credentials: {e} (docs/data.md, 'Credentials')") from e
+            if cut.fired and not self.cancelled.is_set():
+                raise _Transient(f"no complete answer within {self.timeout_s:g}s (data.remote_timeout_s)") from e
             raise _Transient(f"{type(e).__name__}: {e}") from e
+        finally:
+            self._current.cut = None
+            cut.done()
+            with self._inflight_lock:
+                self._inflight.discard(cut)
 
     @staticmethod
     def identity(response: Mapping) -> str | None:
@@ -340,7 +413,10 @@ class S3Store:
         return None
 
     def cancel(self) -> None:
-        """Nothing to cut: botocore's read timeout bounds each read (see docs/data.md)."""
+        """Cut every call in flight (the run is stopping)."""
+        with self._inflight_lock:
+            for cut in list(self._inflight):
+                cut.cut()
 
     def size(self, url: str) -> tuple[int, str | None]:
         bucket, key = self._split(url)
@@ -350,12 +426,9 @@ class S3Store:
     def read(self, url: str, start: int, length: int) -> tuple[bytes, tuple[int, int, int], str | None]:
         bucket, key = self._split(url)
         what = f"bytes {start}-{start + length - 1}"
-        response = self._call(what, self._client.get_object, Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
-        try:
-            body = response["Body"].read()
-        except (self._errors.BotoCoreError, OSError) as e:
-            raise _Transient(f"{type(e).__name__}: {e}") from e
-        return body, _content_range(response.get("ContentRange")), self.identity(response)
+        response = self._call(what, self._client.get_object, body=True, Bucket=bucket, Key=key,
+                              Range=f"bytes={start}-{start + length - 1}")
+        return response["Body"], _content_range(response.get("ContentRange")), self.identity(response)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import socket
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from jax.sharding import Mesh
 from olmo_eqx import huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
+from olmo_eqx.checkpoint_remote import STAGED_RECORD
 from olmo_eqx.checkpoint_storage import check_storage
 from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
 from olmo_eqx.config import Config, config_to_dict, resume_changes
@@ -268,13 +270,15 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                 except CheckpointDirOwnedError as e:
                     raise TrainError(str(e)) from e
         checkpointer = Checkpointer(
-            checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every
+            checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every,
+            staged_record=run_dir / STAGED_RECORD if main_process else None,
         )
         try:
             notes = list(notes)
             state, loader, start_step, health = _restore_or_init(
                 config, checkpointer, dataset, mesh, rules, init_state, notes
             )
+            notes.extend(_never_uploaded(checkpointer, start_step))
             config_dict = config_to_dict(config)
             out = RunDir(run_dir, enabled=main_process, log_name=LOG_FILE, loggers=config.trainer.loggers,
                          sink_config=config_dict)
@@ -303,6 +307,32 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             raise
         checkpointer.close()  # waits for saves in flight
         return summary
+
+
+def _never_uploaded(checkpointer: Checkpointer, start_step: int) -> list[str]:
+    """One line per step newer than `start_step` that a run committed in its staging dir and
+    never uploaded to the object store (`checkpoint_remote.StagedRecord`; a host lost, or a
+    rerun with another staging dir): the store cannot have it, so this rerun starts older."""
+    record = checkpointer.staged_record
+    if record is None:
+        return []
+    resuming = f"resuming from step {start_step}" if start_step else "starting from step 0"
+    lines = []
+    for step, where in sorted(record.entries().items()):
+        if step <= start_step:
+            continue
+        path, host = Path(where.get("path", "?")), where.get("host", "?")
+        url = f"{checkpointer.directory}/{step}"
+        if host == socket.gethostname() and path.parent == checkpointer.staging_dir:
+            # This staging dir: the Checkpointer would have uploaded it had it been complete.
+            lines.append(f"checkpoint step {step}, staged at {path}, never reached {url} and cannot be uploaded (it "
+                         f"is gone, lacks its commit marker or fails its digests): {resuming}")
+        else:
+            lines.append(f"checkpoint step {step} was saved in the staging dir {path} on host {host} but never "
+                         f"uploaded to {url} (the run stopped, or its upload failed): {resuming}. To resume from "
+                         f"step {step} instead, stop this run and rerun on {host} with "
+                         f"OLMO_EQX_CHECKPOINT_STAGING={path.parent.parent}, which uploads it first")
+    return lines
 
 
 class TrainingDiverged(TrainError):
