@@ -187,6 +187,15 @@ def show_only_the_settings_that_apply() -> None:
     Hydra.get_sanitized_cfg = without_unused_fields
 
 
+def launcher_refusal(error: BaseException) -> Optional[str]:
+    """One line for `hydra/launcher=submitit_slurm` off a SLURM cluster (submitit raises a
+    RuntimeError from deep in Hydra's launcher when `srun` is not on PATH); None otherwise."""
+    if isinstance(error, RuntimeError) and 'Could not detect "srun"' in str(error):
+        return ("hydra/launcher=submitit_slurm: SLURM's srun is not on PATH here; submit from a node of the "
+                "cluster (its login node), or try the same jobs on this machine with hydra/launcher=submitit_local")
+    return None
+
+
 def main() -> None:
     spare_imported_objects_from_the_collector()
     if len(sys.argv) == 1:
@@ -204,7 +213,7 @@ def main() -> None:
         _hydra_main()
     except Exception as e:
         # A run dir on a read-only or full disk fails in Hydra itself (it writes .hydra/ first).
-        refusal = None if _USER_WANTS_TRACEBACK else hydra_refusal(e) or storage_refusal(e)
+        refusal = None if _USER_WANTS_TRACEBACK else hydra_refusal(e) or storage_refusal(e) or launcher_refusal(e)
         if refusal is None:
             raise
         print(f"error: {refusal}", file=sys.stderr)

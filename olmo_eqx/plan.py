@@ -726,13 +726,13 @@ def format_plan(p: dict) -> str:
     lines = [
         f"{p['model']} ({p['parameters']:,} parameters) on {p['target_description']}: {p['devices']} devices"
         + (f", mesh {p['mesh']}" if "mesh" in p else ""),
-        f"batch {p['global_batch']} x {p['sequence_length']}"
-        + (f" ({p['per_device_batch']:g} per device" if "per_device_batch" in p else " (")
-        + f", {p['micro_batches']} micro-batch(es)) | compute {p['compute_dtype']}, params {p['param_dtype']} "
+        f"batch {p['global_batch']} x {p['sequence_length']} ("
+        + (f"{p['per_device_batch']:g} per device, " if "per_device_batch" in p else "")
+        + f"{p['micro_batches']} micro-batch(es)) | compute {p['compute_dtype']}, params {p['param_dtype']} "
         f"| remat {p['remat']} | attention {p['attention_impl']} -> {p['attention_kernel']} kernel"
         + (f" (block {p['attention_block_size']})" if p["attention_block_size"] else "")
         + f" | loss chunk {p['loss_chunk_size']}",
-        f"compiled in {p['compile_seconds']:.0f} s",
+        f"{'refused' if p.get('refused') else 'compiled'} in {p['compile_seconds']:.0f} s",
         "",
     ]
     hbm = p.get("hbm_per_device")

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from olmo_eqx.accelerators import accelerator_present
+
 GB, GIB = 1e9, float(1024**3)
 
 
@@ -113,6 +115,12 @@ def tpu_devices(target: Target) -> list:
     # libtpu takes a lock file so that two processes never drive one TPU; compiling drives
     # none, and a second plan (or test run) beside this one must not be refused.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not accelerator_present():
+        # Off a TPU VM libtpu asks the metadata server for the VM's worker hostnames, gets a
+        # warning text back and prints a 5-line `E0000 ... unexpected worker hostname` block
+        # before compiling fine; naming this host as the only worker keeps the plan's output
+        # clean (the topology compiled for is the one named, whatever this says).
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     options = {"num_slices": target.slices} if target.slices > 1 else {}
     dims = [int(d) for d in target.topology.split("x")]
     if math.prod(dims) < 4:

@@ -408,10 +408,17 @@ def test_a_checkpoint_dir_is_recorded_absolute_and_belongs_to_one_run_dir(tmp_pa
 def test_a_resume_past_stop_at_names_the_checkpoint_that_exists(tmp_path, env):
     run_dir = tmp_path / "run"
     assert run(run_dir, "trainer.eval_every=0", env=env).returncode == 0
+    trained = json.loads((run_dir / "summary.json").read_text())
     again = run(run_dir, "trainer.eval_every=0", "trainer.stop_at=6", env=env)
     assert again.returncode == 0, again.stderr
     assert "Nothing to train: the checkpoint is at step 12, the run ends at 6" in again.stdout
+    assert "compiling the train step" not in again.stdout  # no step 13 is coming
     summary = json.loads((run_dir / "summary.json").read_text())
+    # A session that trains nothing keeps the training figures of the one that did (a sweep
+    # resumed over its finished jobs reads them), and says so.
+    for key in ("train_loss_mean_last_n", "train_loss_mean_steps", "last_step_loss", "tokens_per_s", "mfu"):
+        assert summary[key] == trained[key] and trained[key] is not None, key
+    assert "trained no step" in summary["training_figures_from"]
     assert summary["checkpoint"] == str(run_dir / "checkpoints" / "12") and Path(summary["checkpoint"]).is_dir()
     assert steps_in(run_dir / "checkpoints") == [6, 12]
 

@@ -243,6 +243,22 @@ def test_sweep_through_the_submitit_launcher(tmp_path, one_device):
         assert summary["stage_completed"] and summary["final_heldout_loss"] is not None
 
 
+def test_the_slurm_launcher_off_a_cluster_is_one_line(tmp_path, one_device):
+    """README's SLURM command on a machine without SLURM: one line naming the launcher and the
+    way out (exit status 2), not submitit's traceback; no sweep dir is left behind."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import shutil
+
+    if shutil.which("srun"):
+        pytest.skip("srun is on PATH here")
+    result = olmo_eqx("-m", "hydra/launcher=submitit_slurm", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}", env=one_device)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: hydra/launcher=submitit_slurm: SLURM's srun is not on PATH here; submit from a node of the cluster "
+        "(its login node), or try the same jobs on this machine with hydra/launcher=submitit_local"]
+    assert not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.parametrize("launcher", ["jax", "slurm"])
 def test_two_processes_train_like_one(uninterrupted, tmp_path, launcher):
     """jax.distributed on CPU (2 processes x 2 devices): each process reads its own rows once,

@@ -118,3 +118,20 @@ def test_collectives_count_loop_iterations():
     assert traffic["reduce-scatter"] == {"count": 1, "bytes": 64 * 4}  # the input it reduces
     assert traffic["all-reduce"] == {"count": 1, "bytes": 8 * 4}
     assert [g[:2] for g in gathered] == [("f32", (64,))] and not unknown
+
+
+def test_a_refused_plan_says_refused_and_its_batch_line_has_no_empty_field():
+    """A compile the target's compiler refused (README's preset on 128 v5p chips) printed
+    `batch 512 x 8192 (, 1 micro-batch(es))` and `compiled in 6 s`."""
+    from olmo_eqx.plan import format_plan
+
+    p = {"model": "olmo3_7b", "parameters": 7, "target_description": "TPU v5p 4x4x8", "devices": 128,
+         "global_batch": 512, "sequence_length": 8192, "micro_batches": 1, "compute_dtype": "bfloat16",
+         "param_dtype": "float32", "remat": "none", "attention_impl": "auto", "attention_kernel": "splash",
+         "attention_block_size": None, "loss_chunk_size": 1024, "compile_seconds": 6.0,
+         "refused": "RESOURCE_EXHAUSTED: Ran out of memory on HBM"}
+    lines = format_plan(p).splitlines()
+    assert lines[1].startswith("batch 512 x 8192 (1 micro-batch(es)) | compute bfloat16")
+    assert lines[2] == "refused in 6 s"
+    with_share = format_plan({**p, "per_device_batch": 4.0})
+    assert with_share.splitlines()[1].startswith("batch 512 x 8192 (4 per device, 1 micro-batch(es))")

@@ -176,3 +176,21 @@ def test_near_ties_go_to_the_layout_the_estimates_can_see():
     assert (_best(rows)["remat"], _best(rows)["attention_block_size"]) == ("save_projections", None)
     faster = [*rows, row("offload_projections", 256, 0.80, 16, host=22)]  # more than 1% faster: it wins
     assert _best(faster)["attention_block_size"] == 256
+
+
+def test_building_a_tpu_topology_off_a_tpu_vm_prints_no_libtpu_error_block():
+    """Off a TPU VM libtpu's start-up printed a 5-line `E0000 ... unexpected worker hostname`
+    block before every TPU plan (it asks the VM's metadata server, which is not there);
+    tpu_devices names this host as the only worker, and the topology is still the one asked for."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from olmo_eqx.targets import parse_target, tpu_devices\n"
+            "devices = tpu_devices(parse_target('tpu:v5p:4x4x8'))\n"
+            "print(len(devices), len({d.process_index for d in devices}), devices[0].device_kind)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["128", "32", "TPU", "v5"]
+    assert "unexpected worker hostname" not in done.stderr and "E0000" not in done.stderr, done.stderr

@@ -58,7 +58,7 @@ from olmo_eqx.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
 from olmo_eqx.processes import FailureWatch
-from olmo_eqx.run_dir import CONFIG_FILE, RunDir
+from olmo_eqx.run_dir import CONFIG_FILE, SUMMARY_FILE, RunDir
 from olmo_eqx.run_lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
 from olmo_eqx.sinks import METRICS_FILE, check_loggers, last_recorded_step
@@ -414,7 +414,8 @@ class _Loop:
         if device.platform == "cpu":
             self.out.print(f"host memory: {huge_pages.describe()}")
         # Else the first step's silence (seconds to minutes) looks like a hang.
-        self.out.print(f"compiling the train step: step {self.start_step + 1}'s line comes once it has compiled and run")
+        if self.start_step < self.end_step:
+            self.out.print(f"compiling the train step: step {self.start_step + 1}'s line comes once it has compiled and run")
 
     def write(self, record: dict) -> None:
         self.history.append(record)
@@ -545,11 +546,30 @@ class _Loop:
             "checkpoint": str(self.checkpointer.directory / str(end_step)) if diverged is None else None,
             "run_dir": str(self.out.path),
         }
+        if end_step == self.start_step and not losses and diverged is None:
+            summary.update(self.previous_training_figures(end_step))
         if self.downstream is not None:
             summary.update(self.downstream.summary())
         if diverged is not None:
             summary["diverged"] = diverged
         return summary
+
+    # What the session that trained up to a step measured; a rerun of a finished run (a sweep
+    # resumed over its finished jobs, say) trains nothing and keeps them instead of nulls.
+    TRAINING_FIGURES = ("train_loss_mean_last_n", "train_loss_mean_steps", "last_step_loss", "tokens_per_s", "mfu")
+
+    def previous_training_figures(self, end_step: int) -> dict:
+        """The training figures of the run dir's summary.json when it ends at the same step."""
+        try:
+            previous = json.loads(self.out.file(SUMMARY_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(previous, dict) or previous.get("end_step") != end_step:
+            return {}
+        kept = {k: previous[k] for k in self.TRAINING_FIGURES if previous.get(k) is not None}
+        if kept:
+            kept["training_figures_from"] = f"the session that trained to step {end_step} (this one trained no step)"
+        return kept
 
     def plot(self) -> None:
         """loss.png from the whole run (metrics.jsonl when kept, else this session's records)."""
