@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
+from olmo_eqx.train.downstream import check_scoring_settings
+
 # A CPU-minute suite for the embedded default: ranked classification and multiple choice.
 DEFAULT_TASKS = ("arc_easy/rc_0shot", "arc_easy/mc_5shot", "hellaswag/rc_0shot", "piqa/rc_0shot")
 
@@ -31,12 +33,7 @@ class EvalSettings:
     heldout_batches: Optional[int] = 16
 
     def __post_init__(self):
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit={self.limit} must be >= 1 (or null for every question)")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length={self.max_length} must be >= 2")
+        check_scoring_settings(self.limit, self.batch_size, self.max_length)
         if self.heldout_batches is not None and self.heldout_batches < 1:
             raise ValueError(f"heldout_batches={self.heldout_batches} must be >= 1 (or null)")
 

@@ -36,6 +36,16 @@ OLMO3_FAST_TASKS = tuple(sorted((
 OLMO3_FAST_TASKS_OFFLINE = tuple(t for t in OLMO3_FAST_TASKS if not t.startswith("mmlu_"))
 
 
+def check_scoring_settings(limit: Optional[int], batch_size: int, max_length: Optional[int]) -> None:
+    """The checks of the settings the loop and `+stage=eval` share for scoring tasks."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit} must be >= 1 (or null for every question)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length={max_length} must be >= 2")
+
+
 @dataclass(frozen=True)
 class DownstreamConfig:
     """What the loop scores every `trainer.downstream_every` steps (and at the last step)."""
@@ -58,9 +68,4 @@ class DownstreamConfig:
     def __post_init__(self):
         if not self.tasks:
             raise ValueError("tasks=[] names no task: give at least one, or set trainer.downstream_every=0")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit={self.limit} must be >= 1 (or null for every question)")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length={self.max_length} must be >= 2")
+        check_scoring_settings(self.limit, self.batch_size, self.max_length)
