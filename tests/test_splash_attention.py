@@ -136,3 +136,20 @@ def test_splash_with_documents_and_context_parallelism_equals_the_reference():
         got = _forward_and_gradients(attention, q, k, v, cotangent)
         for g, w in zip(got, want):
             assert _relative_error(g, w) <= TOLERANCE
+
+
+def test_a_policy_keeping_the_context_keeps_the_kernels_residuals(capsys):
+    """The kernel names its output and log-sum-exp like the context (`splash.RESIDUAL_NAME`):
+    a remat policy that keeps the context keeps both, so the backward pass needs no second run
+    of the forward kernel; `full` keeps neither."""
+    q, k, v = (jax.random.normal(key, (1, 256, 2, 64)) for key in jax.random.split(jax.random.PRNGKey(0), 3))
+
+    def saved(policy) -> str:
+        loss = lambda q, k, v: jnp.sum(jnp.sin(splash_attention(q, k, v, sliding_window=None, block_size=128)))  # noqa: E731
+        jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
+        return capsys.readouterr().out
+
+    kept = saved(jax.checkpoint_policies.save_only_these_names(splash.RESIDUAL_NAME))
+    assert "f32[1,2,256,64] output of jitted function '_splash_attention'" in kept  # the output, heads major
+    assert "f32[1,2,256] output of jitted function '_splash_attention'" in kept  # the log-sum-exp
+    assert "_splash_attention" not in saved(None)

@@ -304,6 +304,10 @@ _REMAT_POLICIES = {
     # Keep what attention needs (q/k/v and its context, so the attention kernel never runs
     # again) and recompute the MLP, whose gate/up outputs are the widest activations.
     "save_attention": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj", "attention_context"),
+    # Keep only attention's context (with the splash kernel: its output and log-sum-exp, so the
+    # kernel's forward never runs again) and recompute the rest, q/k/v included: on a v5e
+    # those projections cost less than a second pass of the kernel, and keep little memory.
+    "save_context": jax.checkpoint_policies.save_only_these_names("attention_context"),
     # Keep only the q/k/v projections (MaxText's `save_qkv_proj`, its fastest OLMo 3 layout on
     # a v5e): the backward pass recomputes attention from them, and the MLP.
     "save_qkv": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
