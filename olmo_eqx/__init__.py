@@ -17,7 +17,7 @@ if started_as_olmo_eqx_command():
     reexec_with_huge_pages()
 
 from .export import export_hf
-from .flops import flops_per_token
+from .models.flops import flops_per_token
 from .generate import generate
 from .hf import load_hf, save_hf
 from .models.config import ModelConfig, YarnConfig

@@ -8,7 +8,7 @@ Cloud-TPU set-up (`jax._src.cloud_tpu_init`) looks for TPU chips on the PCI bus 
 lets the plugin load. So the package settles it first: on a machine with no accelerator device
 and no `JAX_PLATFORMS` of the user's, it sets `JAX_PLATFORMS=cpu`, and no plugin is touched. A
 CPU run then also keeps its huge pages (olmo_eqx.huge_pages, which needs JAX on the CPU alone).
-The planner's TPU and GPU targets load their compilers directly (olmo_eqx.targets), not as
+The planner's TPU and GPU targets load their compilers directly (olmo_eqx.plan.targets), not as
 backends, so they work the same.
 """
 

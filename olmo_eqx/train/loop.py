@@ -54,7 +54,7 @@ from olmo_eqx.data.remote import SizeCache
 from olmo_eqx.data.sources import build_datasets, document_options, remote_sizes  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
-from olmo_eqx.flops import flops_per_token
+from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
 from olmo_eqx.plots import loss_plot, read_metrics
 from olmo_eqx.processes import FailureWatch

@@ -17,7 +17,7 @@ MLPs, not all E (the MFU of a sparse model is of the work it does; dropless rout
 more). The dense reference path (`moe_impl: dense`) does E/k times the MLP work, uncounted.
 """
 
-from .models.config import ModelConfig
+from olmo_eqx.models.config import ModelConfig
 
 
 def _kinds(config: ModelConfig) -> list[str]:
