@@ -1,6 +1,6 @@
 """`python -m olmo_eqx +stage=generate checkpoint.load=<run | checkpoints | step | HF dir> stage.prompts=[...]`.
 
-Completes each prompt with `olmo_eqx.generate` (KV cache; greedy unless stage.temperature > 0),
+Completes each prompt with `olmo_eqx.interop.generate` (KV cache; greedy unless stage.temperature > 0),
 decoded with the checkpoint's tokenizer (found as the eval stage finds it: stage.tokenizer, the
 HF directory's, or the training data's, e.g. the embedded corpus's), printed (and kept in
 `generate.log`) and written to `generations.json` and `summary.json` in the run directory.
@@ -93,8 +93,8 @@ class Generate:
         from olmo_eqx.config import stage_settings
         from olmo_eqx.errors import EvalError
         from olmo_eqx.evaluation.run import load_subject
-        from olmo_eqx.generate import generate
-        from olmo_eqx.run_dir import RunDir
+        from olmo_eqx.interop.generate import generate
+        from olmo_eqx.run.run_dir import RunDir
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
 
         settings = stage_settings(self, "generate", config.stage or {})

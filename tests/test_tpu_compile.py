@@ -75,7 +75,7 @@ def test_tensor_and_context_parallel_steps_with_documents_compile_for_tpu(chips)
 
 
 def test_eval_and_generation_steps_compile_for_tpu(chips):
-    from olmo_eqx.generate import _generate
+    from olmo_eqx.interop.generate import _generate
     from olmo_eqx.sharding import activation_sharding
     from olmo_eqx.train.step import make_eval_step
 

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from olmo_eqx.accelerators import accelerator_present
+from olmo_eqx.run.accelerators import accelerator_present
 
 GB, GIB = 1e9, float(1024**3)
 

@@ -40,12 +40,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from olmo_eqx import huge_pages
+from olmo_eqx.run import huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
-from olmo_eqx.checkpoint_remote import STAGED_RECORD
-from olmo_eqx.checkpoint_storage import check_storage
-from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
+from olmo_eqx.checkpoint.remote import STAGED_RECORD
+from olmo_eqx.checkpoint.storage import check_storage
+from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError, claim_checkpoint_dir
 from olmo_eqx.config import Config, config_to_dict, resume_changes
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader, Interrupted, Prefetcher, global_batch_arrays
@@ -56,18 +56,18 @@ from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
 from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
-from olmo_eqx.plots import loss_plot, read_metrics
-from olmo_eqx.processes import FailureWatch
-from olmo_eqx.run_dir import CONFIG_FILE, SUMMARY_FILE, RunDir
-from olmo_eqx.run_lock import RunLock, RunLockedError
+from olmo_eqx.run.plots import loss_plot, read_metrics
+from olmo_eqx.run.processes import FailureWatch
+from olmo_eqx.run.run_dir import CONFIG_FILE, SUMMARY_FILE, RunDir
+from olmo_eqx.run.lock import RunLock, RunLockedError
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
-from olmo_eqx.sinks import METRICS_FILE, check_loggers, last_recorded_step
+from olmo_eqx.run.sinks import METRICS_FILE, check_loggers, last_recorded_step
 from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite, runaway_loss_limit
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.train.signals import any_process, ignore_signals_after_completion, stop_on_signals
+from olmo_eqx.run.signals import any_process, ignore_signals_after_completion, stop_on_signals
 from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state, sharded_abstract_train_state
 from olmo_eqx.train.step import make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput

@@ -6,7 +6,7 @@ TensorFlow (`ImportError: Install s3fs to access S3`), and its TensorStore specs
 endpoint. Nor would a direct write keep our guarantees: an object store has no rename, so
 Orbax's "write a tmp dir, rename it on commit" does not exist there. So every save is made by
 Orbax into a local *staging* directory with all of the local machinery (the digests written
-before the commit, `checkpoint_digests.py`), then uploaded, and each restore downloads the
+before the commit, `digests.py`), then uploaded, and each restore downloads the
 step and verifies it before Orbax reads it. Layout under the checkpoint URL:
 
     <url>/<step>/<file>...            the step's files, uploaded first (any order)
@@ -54,7 +54,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from .errors import RunError
+from olmo_eqx.errors import RunError
 
 COMMITTED = "committed.json"
 SET_ASIDE_MARKER = "set_aside.json"
@@ -200,7 +200,7 @@ class GcsObjects:
     HTTP client; a bearer token from Application Default Credentials when configured)."""
 
     def __init__(self, url: str):
-        from .data.remote import _google_credentials
+        from olmo_eqx.data.remote import _google_credentials
 
         self.url = url.rstrip("/")
         self.bucket, _, prefix = self.url[len("gs://"):].partition("/")
@@ -295,7 +295,7 @@ def claim_checkpoint_url(url: str, run_dir: Path) -> Optional[str]:
     dir that trains into it. Another run dir is refused (`CheckpointDirOwnedError`); whether
     that one still exists cannot be told from here (it may live on another host), so a prefix is
     never taken over silently. Raises `ObjectStoreError` when the store cannot be read or written."""
-    from .checkpoint_paths import CheckpointDirOwnedError
+    from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError
 
     url, run = url.rstrip("/"), str(run_dir)
     store = open_store(url)
@@ -364,7 +364,7 @@ class RemoteSteps:
     def download(self, step: int, target: Path) -> None:
         """Every object of committed step `step` into the fresh directory `target`, with the
         committed manifest as its `digests.json` (what `verify_digests` checks)."""
-        from .checkpoint_digests import DigestMismatch
+        from olmo_eqx.checkpoint.digests import DigestMismatch
 
         try:
             committed = self.committed(step)

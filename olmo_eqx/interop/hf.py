@@ -18,10 +18,10 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from .errors import RunError
-from .models.config import ModelConfig, YarnConfig
-from .models.base import CausalLM
-from .models.registry import abstract_model
+from olmo_eqx.errors import RunError
+from olmo_eqx.models.config import ModelConfig, YarnConfig
+from olmo_eqx.models.base import CausalLM
+from olmo_eqx.models.registry import abstract_model
 
 SUPPORTED_MODEL_TYPES = ("olmo", "olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid")
 MOE_MODEL_TYPES = ("olmoe", "flex_olmo")  # their architecture names are HF's model types
@@ -106,7 +106,7 @@ def _stack_layers(config: ModelConfig, stack: str) -> list[int]:
     """HF layer numbers of the layers in one of our stacks, in stack order."""
     if stack == "blocks":
         return list(range(config.n_layers))
-    from .models.olmo_hybrid import stack_layers
+    from olmo_eqx.models.olmo_hybrid import stack_layers
 
     return stack_layers(config, "gdn" if stack == "gdn_blocks" else "attention")
 
@@ -623,7 +623,7 @@ def _special_ids(tokenizer: Path, eos: Optional[int], pad: Optional[int]) -> tup
     """EOS and pad ids: the ones given, else the tokenizer's tokens of those names."""
     from tokenizers import Tokenizer
 
-    from .evaluation.tokens import EOS_CANDIDATES
+    from olmo_eqx.data.tokenize import EOS_CANDIDATES
 
     if not tokenizer.is_file():
         raise HFCheckpointError(f"tokenizer {tokenizer} does not exist; give the model's tokenizer.json")

@@ -28,7 +28,7 @@ def export_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     from olmo_eqx.evaluation.run import find_tokenizer
     from olmo_eqx.evaluation.tokens import TextTokenizer
-    from olmo_eqx.hf import save_hf
+    from olmo_eqx.interop.hf import save_hf
     from olmo_eqx.sharding import ShardingRules, make_mesh
     from olmo_eqx.stages import StageError
     from olmo_eqx.warm_start import load_model, locate, stored_model_config

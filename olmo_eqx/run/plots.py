@@ -1,7 +1,7 @@
 """The pictures a run leaves: `loss.png` of a training stage and `sweep.png` of a sweep.
 
 Both read plain records (those of metrics.jsonl, summary.json), so they can be redrawn from a
-finished run dir: `python -c "from olmo_eqx.plots import *; loss_plot(read_metrics('RUN/metrics.jsonl'), 'RUN/loss.png')"`.
+finished run dir: `python -c "from olmo_eqx.run.plots import *; loss_plot(read_metrics('RUN/metrics.jsonl'), 'RUN/loss.png')"`.
 """
 
 import math
@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from olmo_eqx.sinks import read_jsonl
+from olmo_eqx.run.sinks import read_jsonl
 
 
 def _figure(**kwargs):

@@ -3,7 +3,7 @@ and other files through a `RunDir`, never by opening files of its own.
 
     run = RunDir(path, log_name="train.log", loggers=("jsonl", "tensorboard"))
     run.print("step 1 | loss 8.3")          # stdout and the log file
-    run.metrics({"step": 1, "loss": 8.3})   # fanned out to the sinks (olmo_eqx/sinks.py)
+    run.metrics({"step": 1, "loss": 8.3})   # fanned out to the sinks (olmo_eqx/run/sinks.py)
     run.write_config(config)                # config.json
     run.write_summary(summary)              # summary.json (what a sweep's table reads)
     run.close()
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
-from olmo_eqx.sinks import MetricSink, make_sinks, sink_error
+from olmo_eqx.run.sinks import MetricSink, make_sinks, sink_error
 
 CONFIG_FILE = "config.json"
 # Every stage's summary (a JSON object) lands here, in its run directory.

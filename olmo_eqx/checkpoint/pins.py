@@ -18,7 +18,7 @@ after pinning keeps it until it unpins. What is left open:
   before that rename can find the step's files missing for the moment between the two renames;
 - a pin from another host is honoured for `REMOTE_PIN_HOURS` only (its process cannot be seen);
 - pins are local paths: on an object store (`s3://`, `gs://`) readers are not pinned (they
-  download and verify their copy once, `checkpoint_remote.py`).
+  download and verify their copy once, `remote.py`).
 """
 
 import atexit
@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from .run_lock import _pid_alive
+from olmo_eqx.run.lock import _pid_alive
 
 PIN_DIR = "pins"
 REMOTE_PIN_HOURS = 6.0

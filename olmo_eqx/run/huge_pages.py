@@ -13,7 +13,7 @@ glibc reads tunables only when a process starts, so `python -m olmo_eqx` re-exec
 before JAX is imported, when all of these hold (`why_not` names the first that fails): Linux
 with glibc, the kernel's THP mode is `madvise` (with `always` every mapping gets huge pages
 anyway; with `never` none can), JAX will run on the CPU only (`JAX_PLATFORMS=cpu`, which the
-package sets on a machine without an accelerator device (olmo_eqx.accelerators), or no accelerator
+package sets on a machine without an accelerator device (olmo_eqx.run.accelerators), or no accelerator
 plugin installed), `GLIBC_TUNABLES` does not already choose `glibc.malloc.hugetlb`,
 and `OLMO_EQX_HUGE_PAGES` is not `0`. A run's header says which malloc it has (`describe`). In a notebook or any process
 of your own, set `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting Python.
@@ -72,7 +72,7 @@ def describe() -> str:
     """One line for a run's header: whether this process runs with the setting, and if not, why."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" in tunables:
-        return f"GLIBC_TUNABLES={tunables} (olmo_eqx.huge_pages)"
+        return f"GLIBC_TUNABLES={tunables} (olmo_eqx.run.huge_pages)"
     reason = why_not() or "not started as `python -m olmo_eqx`"
     return f"glibc's default malloc, no huge-page tunable: {reason}"
 

@@ -7,7 +7,7 @@ block (`E0000 ... unexpected worker hostname ...`) before JAX falls back to the 
 Cloud-TPU set-up (`jax._src.cloud_tpu_init`) looks for TPU chips on the PCI bus but still
 lets the plugin load. So the package settles it first: on a machine with no accelerator device
 and no `JAX_PLATFORMS` of the user's, it sets `JAX_PLATFORMS=cpu`, and no plugin is touched. A
-CPU run then also keeps its huge pages (olmo_eqx.huge_pages, which needs JAX on the CPU alone).
+CPU run then also keeps its huge pages (olmo_eqx.run.huge_pages, which needs JAX on the CPU alone).
 The planner's TPU and GPU targets load their compilers directly (olmo_eqx.plan.targets), not as
 backends, so they work the same.
 """

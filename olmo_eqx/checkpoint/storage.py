@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from .errors import RunError
+from olmo_eqx.errors import RunError
 
 
 class CheckpointSaveError(RunError):
@@ -47,13 +47,13 @@ def check_storage(directory: str | os.PathLike, abstract_state: Any) -> None:
     the size of `abstract_state` (a tree of `jax.ShapeDtypeStruct`s: what a save writes).
     Raises `CheckpointSaveError` naming the path, the OS error or both sizes. On an object
     store (s3://, gs://) it lists the store and checks the local staging dir the saves go
-    through (`checkpoint_remote.py`); other URLs are left to the first save.
+    through (`remote.py`); other URLs are left to the first save.
     """
     text = os.fspath(directory)
     fix = "choose another checkpoint.dir or fix its permissions"
     if text.startswith(("s3://", "gs://")):
         # The store must answer a listing, and the local staging dir take one checkpoint.
-        from .checkpoint_remote import ObjectStoreError, RemoteSteps, default_staging
+        from olmo_eqx.checkpoint.remote import ObjectStoreError, RemoteSteps, default_staging
 
         try:
             RemoteSteps(text).committed_steps()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from .checkpoint import COMMIT_MARKER
+from olmo_eqx.checkpoint.format import COMMIT_MARKER
 
 
 OWNER_FILE = "owner.json"
@@ -39,7 +39,7 @@ def claim_checkpoint_dir(directory: Path | str, run_dir: Path) -> Optional[str]:
     still exists holds it; returns a note when it takes over from one that no longer exists.
     An `s3://` or `gs://` prefix is claimed the same way (`claim_checkpoint_url`)."""
     if isinstance(directory, str) and "://" in directory:
-        from .checkpoint_remote import claim_checkpoint_url
+        from olmo_eqx.checkpoint.remote import claim_checkpoint_url
 
         return claim_checkpoint_url(directory, Path(run_dir).resolve())
     directory, run_dir = Path(directory), Path(run_dir).resolve()
@@ -110,8 +110,8 @@ def _is_hf_dir(directory: Path) -> bool:
 
 def _resolve_remote(url: str) -> CheckpointLocation:
     """The committed step a `s3://` / `gs://` URL names: `<checkpoints url>/<step>`, or the
-    newest committed step of `<checkpoints url>` (`checkpoint_remote.py`)."""
-    from .checkpoint_remote import COMMITTED, RemoteSteps
+    newest committed step of `<checkpoints url>` (`remote.py`)."""
+    from olmo_eqx.checkpoint.remote import COMMITTED, RemoteSteps
 
     url = url.rstrip("/")
     head, _, tail = url.rpartition("/")

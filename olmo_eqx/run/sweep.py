@@ -14,8 +14,8 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from olmo_eqx.run_dir import SUMMARY_FILE, RunDir
-from olmo_eqx.sinks import METRICS_FILE
+from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
+from olmo_eqx.run.sinks import METRICS_FILE
 
 PLOT_FILE = "sweep.png"
 # A sweep job that failed leaves its one-line error here instead.
@@ -87,7 +87,7 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> Optional[Path]:
     """sweep.png: every job's curves from its metrics.jsonl, labelled by its overrides."""
-    from olmo_eqx.plots import read_metrics, sweep_plot
+    from olmo_eqx.run.plots import read_metrics, sweep_plot
 
     jobs = []
     for row in rows:
