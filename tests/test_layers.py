@@ -1,5 +1,6 @@
-"""The layering of README.md's "Layout", as import-linter checks it (pyproject.toml,
-[tool.importlinter]): the contracts hold on this tree, and an upward import breaks them."""
+"""README.md's "Layout": the layers as import-linter checks them (pyproject.toml,
+[tool.importlinter]; the contracts hold on this tree, and an upward import breaks them), and
+the size bounds (no module over 600 lines, the `Checkpointer` class at most 300)."""
 
 import os
 import re
@@ -25,6 +26,22 @@ def test_the_layers_and_the_models_contract_hold():
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 2 kept, 0 broken." in result.stdout
+
+
+def test_every_module_has_a_layer():
+    """A new module must be placed in the layers (pyproject.toml), or nothing checks its imports."""
+    import tomllib
+
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    layers = {name.strip() for layer in contract["layers"] for name in layer.replace(":", "|").split("|")}
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for path in (ROOT / "olmo_eqx").rglob("*.py")}
+
+    def placed(module):
+        return any(module == layer or module.startswith(layer + ".") for layer in layers)
+
+    unplaced = sorted(m for m in modules if not placed(m) and m not in ("olmo_eqx", "olmo_eqx.train", "olmo_eqx.interop"))
+    assert unplaced == []
 
 
 def copy_of_the_tree(tmp_path: Path) -> Path:
@@ -57,3 +74,23 @@ def test_a_model_importing_checkpoint_code_breaks_the_models_contract(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "olmo_eqx.models.zoo -> olmo_eqx.checkpoint.format" in result.stdout
     assert "Contracts: 0 kept, 2 broken." in result.stdout  # the models sit below checkpoint too
+
+
+MAX_MODULE_LINES = 600
+MAX_CHECKPOINTER_LINES = 300
+
+
+def test_no_module_over_600_lines():
+    """Every module of the library and of the built-in stages: a file a newcomer reads whole."""
+    sizes = {path.relative_to(ROOT): len(path.read_text().splitlines())
+             for folder in ("olmo_eqx", "plugins") for path in (ROOT / folder).rglob("*.py")}
+    assert len(sizes) > 90  # the tree was found
+    assert {str(path): n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_the_checkpointer_class_is_at_most_300_lines():
+    import ast
+
+    tree = ast.parse((ROOT / "olmo_eqx" / "checkpoint" / "checkpointer.py").read_text())
+    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Checkpointer"]
+    assert cls.end_lineno - cls.lineno + 1 <= MAX_CHECKPOINTER_LINES
