@@ -1,6 +1,6 @@
 """`python -m olmo_eqx +stage=generate checkpoint.load=<run | checkpoints | step | HF dir> stage.prompts=[...]`.
 
-Completes each prompt with `olmo_eqx.interop.generate` (KV cache; greedy unless stage.temperature > 0),
+Completes each prompt with `olmo_eqx.generate` (KV cache; greedy unless stage.temperature > 0),
 decoded with the checkpoint's tokenizer (found as the eval stage finds it: stage.tokenizer, the
 HF directory's, or the training data's, e.g. the embedded corpus's), printed (and kept in
 `generate.log`) and written to `generations.json` and `summary.json` in the run directory.

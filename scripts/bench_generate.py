@@ -1,4 +1,4 @@
-"""Decode speed of `olmo_eqx.interop.generate` (KV cache) on this machine's default device.
+"""Decode speed of `olmo_eqx.generate` (KV cache) on this machine's default device.
 
     python scripts/bench_generate.py [--model olmo3_tiny] [--batch 1 8] [--prompt 32] [--new 256]
 
@@ -40,8 +40,8 @@ def main() -> None:
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
     for batch in args.batch:
         prompts = rng.integers(2, config.vocab_size, size=(batch, args.prompt)).tolist()
-        one = timed(lambda: olmo_eqx.interop.generate(model, prompts, 1))
-        many = timed(lambda: olmo_eqx.interop.generate(model, prompts, args.new + 1))
+        one = timed(lambda: olmo_eqx.generate(model, prompts, 1))
+        many = timed(lambda: olmo_eqx.generate(model, prompts, args.new + 1))
         rate = batch * args.new / (many - one)
         print(f"batch {batch}: prompt {args.prompt} + {args.new} new tokens: prefill+1 {one * 1e3:.1f} ms, "
               f"decode {rate:,.0f} tokens/s ({(many - one) / args.new * 1e3:.2f} ms per step)")

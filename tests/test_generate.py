@@ -42,7 +42,7 @@ def models(tmp_path_factory):
 
 def test_greedy_matches_hf_generate_across_the_window(models):
     hf, ours = models
-    got = olmo_eqx.interop.generate(ours, PROMPTS, NEW)
+    got = olmo_eqx.generate(ours, PROMPTS, NEW)
     for prompt, tokens in zip(PROMPTS, got):
         with torch.no_grad():
             expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
@@ -91,22 +91,22 @@ def test_sliding_layers_keep_only_their_window(models):
 
 def test_sampling_stop_ids_and_errors(models):
     _, ours = models
-    greedy = olmo_eqx.interop.generate(ours, PROMPTS, 6)
+    greedy = olmo_eqx.generate(ours, PROMPTS, 6)
     key = jax.random.key(1)
     # top_k=1 leaves only the argmax, whatever the temperature.
-    assert olmo_eqx.interop.generate(ours, PROMPTS, 6, temperature=2.0, top_k=1, key=key) == greedy
-    sampled = olmo_eqx.interop.generate(ours, PROMPTS, 6, temperature=1.0, top_p=0.9, key=key)
-    assert sampled == olmo_eqx.interop.generate(ours, PROMPTS, 6, temperature=1.0, top_p=0.9, key=key)  # the key decides
+    assert olmo_eqx.generate(ours, PROMPTS, 6, temperature=2.0, top_k=1, key=key) == greedy
+    sampled = olmo_eqx.generate(ours, PROMPTS, 6, temperature=1.0, top_p=0.9, key=key)
+    assert sampled == olmo_eqx.generate(ours, PROMPTS, 6, temperature=1.0, top_p=0.9, key=key)  # the key decides
     # A stop id ends its row (kept as the last token); other rows go on.
     stop = greedy[0][2]
-    stopped = olmo_eqx.interop.generate(ours, PROMPTS, 6, stop_ids=[stop])
+    stopped = olmo_eqx.generate(ours, PROMPTS, 6, stop_ids=[stop])
     assert stopped[0] == greedy[0][: greedy[0].index(stop) + 1]
     for row, tokens in zip(greedy[1:], stopped[1:]):
         assert tokens == (row[: row.index(stop) + 1] if stop in row else row)
     with pytest.raises(ValueError, match="key"):
-        olmo_eqx.interop.generate(ours, PROMPTS, 2, temperature=1.0)
+        olmo_eqx.generate(ours, PROMPTS, 2, temperature=1.0)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        olmo_eqx.interop.generate(ours, [[5, 999]], 2)
+        olmo_eqx.generate(ours, [[5, 999]], 2)
 
 
 def test_sharded_generation_on_8_devices_gives_the_same_tokens(models):
@@ -117,7 +117,7 @@ def test_sharded_generation_on_8_devices_gives_the_same_tokens(models):
     assert mesh.size == 8
     placed = jax.device_put(ours, model_shardings(ours, mesh))
     # 4 prompts on 8 batch shards: padded with dummy rows, which never come back.
-    assert olmo_eqx.interop.generate(placed, PROMPTS, 6, mesh=mesh) == olmo_eqx.interop.generate(ours, PROMPTS, 6)
+    assert olmo_eqx.generate(placed, PROMPTS, 6, mesh=mesh) == olmo_eqx.generate(ours, PROMPTS, 6)
 
 
 def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path):
@@ -146,7 +146,7 @@ def test_generate_stage_prints_and_writes_completions(tmp_path_factory, tmp_path
     model = load_model(locate(str(run)), make_mesh(MeshConfig(), devices=jax.devices()[:1]))
     tokenizer = TextTokenizer(written["tokenizer"])
     ids = [i or [tokenizer.eos_id] for i in tokenizer.encode_batch(prompts)]
-    expected = olmo_eqx.interop.generate(model, ids, 8, stop_ids=[tokenizer.eos_id])
+    expected = olmo_eqx.generate(model, ids, 8, stop_ids=[tokenizer.eos_id])
     assert [c["completion"] for c in written["completions"]] == [tokenizer.decode(t) for t in expected]
 
     missing = cli("+stage=generate", f"hydra.run.dir={tmp_path / 'none'}")

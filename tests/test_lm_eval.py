@@ -4,7 +4,7 @@ files over local JSONL datasets, run through `lm_eval.simple_evaluate` and its c
 Per request, lm-eval's log-likelihoods equal the eval stage's on the same questions (read from
 OLMES request files by the eval stage's own reader); `loglikelihood_rolling` on a held-out
 document gives the eval stage's held-out loss on that document; `generate_until` gives what
-`olmo_eqx.interop.generate` gives, cut at the stop string.
+`olmo_eqx.generate` gives, cut at the stop string.
 """
 
 import json
@@ -138,7 +138,7 @@ def test_generate_until_is_olmo_eqx_generate_cut_at_the_stop(setup, samples):
     assert len(task_samples) == len(QUESTIONS)
     for sample in task_samples:
         prompt = QUESTIONS[sample["doc_id"]][0]
-        new = olmo_eqx.interop.generate(lm.model, [lm.tok_encode(prompt)], 12, stop_ids=[lm.eot_token_id])[0]
+        new = olmo_eqx.generate(lm.model, [lm.tok_encode(prompt)], 12, stop_ids=[lm.eot_token_id])[0]
         assert sample["resps"][0][0] == lm.tok_decode(new).split("\n\n")[0]
 
 

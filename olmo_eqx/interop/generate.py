@@ -1,7 +1,7 @@
 """Text generation with a KV cache: prefill the prompts once, then one decode step per token.
 
-    new = olmo_eqx.interop.generate(model, [[5, 6, 7], [8, 9]], 20)                      # greedy
-    new = olmo_eqx.interop.generate(model, prompts, 20, temperature=0.8, top_p=0.95, key=jax.random.key(0))
+    new = olmo_eqx.generate(model, [[5, 6, 7], [8, 9]], 20)                      # greedy
+    new = olmo_eqx.generate(model, prompts, 20, temperature=0.8, top_p=0.95, key=jax.random.key(0))
 
 Cache layout. Prompts of different lengths are left-padded to one length P, so every row
 writes its t-th token (prompt or generated) into the same *slot* P - len + t: one slot counter

@@ -19,7 +19,7 @@ The three request kinds reuse the eval stage's pieces: `loglikelihood` is OLMES'
 lm-eval's) tokenisation and the eval stage's batched scorer (`score_requests`), so per request
 it gives exactly the eval stage's numbers; `loglikelihood_rolling` cuts the text into lm-eval's
 rolling windows (EOS first, every token predicted once, with as much context as fits) and scores
-them with the same scorer; `generate_until` runs `olmo_eqx.interop.generate` (KV cache) in batches.
+them with the same scorer; `generate_until` runs `olmo_eqx.generate` (KV cache) in batches.
 """
 
 import sys
