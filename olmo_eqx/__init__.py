@@ -3,23 +3,23 @@
 import sys as _sys
 
 # Before anything below imports JAX: on a machine without an accelerator, JAX runs on the CPU
-# and never loads an installed accelerator plugin (libtpu's error block; olmo_eqx.accelerators).
+# and never loads an installed accelerator plugin (libtpu's error block; olmo_eqx.run.accelerators).
 if "jax" not in _sys.modules:
-    from .accelerators import run_on_cpu_without_an_accelerator
+    from .run.accelerators import run_on_cpu_without_an_accelerator
 
     run_on_cpu_without_an_accelerator()
 
 # `python -m olmo_eqx` on a CPU re-executes itself with huge pages for XLA:CPU's buffers before
-# anything below imports JAX (olmo_eqx.huge_pages).
-from .huge_pages import reexec_with_huge_pages, started_as_olmo_eqx_command
+# anything below imports JAX (olmo_eqx.run.huge_pages).
+from .run.huge_pages import reexec_with_huge_pages, started_as_olmo_eqx_command
 
 if started_as_olmo_eqx_command():
     reexec_with_huge_pages()
 
-from .export import export_hf
-from .flops import flops_per_token
-from .generate import generate
-from .hf import load_hf, save_hf
+from .interop.export import export_hf
+from .models.flops import flops_per_token
+from .interop.generate import generate
+from .interop.hf import load_hf, save_hf
 from .models.config import ModelConfig, YarnConfig
 from .models.base import CausalLM
 from .models.olmo3 import OLMo

@@ -9,7 +9,7 @@ stage its own bad input.
 In a sweep (`-m`), Hydra's default launcher would run every job in this one process, carrying
 JAX's state and device memory from job to job. So each job re-runs this command, with its own
 overrides and run directory, in a fresh Python process; this process only waits for it and
-reads the summary it wrote (see `olmo_eqx.sweep` for the table printed at the end). This parent
+reads the summary it wrote (see `olmo_eqx.run.sweep` for the table printed at the end). This parent
 composes the jobs without the schema's types, so that a value of the wrong type fails its own
 job (refused by `to_config`) and not the whole sweep.
 """
@@ -33,9 +33,9 @@ from omegaconf import DictConfig
 
 from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
 from olmo_eqx.errors import RunError, storage_refusal
-from olmo_eqx.run_dir import SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused
+from olmo_eqx.run.run_dir import SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
-from olmo_eqx.sweep import ERROR_FILE
+from olmo_eqx.run.sweep import ERROR_FILE
 
 
 def list_stages() -> None:

@@ -18,6 +18,11 @@ class RunError(RuntimeError):
     """A run that cannot go on; the message names the input and the fix."""
 
 
+class TrainError(RunError):
+    """The run cannot start or go on (refused resume, locked run dir, bad token ids, a failed
+    save, divergence); the message names the input and the fix."""
+
+
 class EvalError(RunError, ValueError):
     """Input an evaluation cannot use (eval, compare, generate, the lm-eval harness). A RunError,
     so a stage lets it through to the command line's one-line message; a ValueError, which

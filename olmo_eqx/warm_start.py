@@ -43,13 +43,13 @@ def _print(text: str) -> None:
 
 
 def locate(path, key: str = "checkpoint.load", *, allow_hf: bool = True, error: Optional[type] = None):
-    """The checkpoint `path` names (`olmo_eqx.checkpoint_paths.resolve_checkpoint`: the latest
+    """The checkpoint `path` names (`olmo_eqx.checkpoint.paths.resolve_checkpoint`: the latest
     complete step of a run dir or checkpoints dir, one step dir, or a HF dir unless allow_hf is
     False). Otherwise raises `error` (default `StageError`) as "<key>: <what is wrong and what
     would do>", `key` being the setting the path came from."""
     from olmo_eqx.checkpoint import COMMIT_MARKER
-    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
-    from olmo_eqx.checkpoint_pins import pin, pin_location
+    from olmo_eqx.checkpoint.paths import CheckpointNotFoundError, resolve_checkpoint
+    from olmo_eqx.checkpoint.pins import pin, pin_location
 
     try:
         location = resolve_checkpoint(path, allow_hf=allow_hf)
@@ -81,7 +81,7 @@ def stored_model_config(location, **fields):
     config.json maps to), with `fields` replaced: settings that don't change the stored weights
     (runtime fields; for HF also `param_dtype`, the dtype its weights are read into)."""
     if location.kind == "hf":
-        from olmo_eqx.hf import model_config_from_hf, read_hf_config
+        from olmo_eqx.interop.hf import model_config_from_hf, read_hf_config
 
         return model_config_from_hf(read_hf_config(location.directory), **fields)
     with _reader(location) as checkpointer:
@@ -118,7 +118,7 @@ def load_model(location, mesh, rules=None, *, model_config=None):
         import jax
 
         from olmo_eqx.checkpoint import CONTINUABLE_FIELDS
-        from olmo_eqx.hf import load_hf
+        from olmo_eqx.interop.hf import load_hf
         from olmo_eqx.sharding import model_shardings
 
         # The architecture is config.json's; the config sets only what may differ from it.
@@ -135,7 +135,7 @@ def load_model(location, mesh, rules=None, *, model_config=None):
 
 def own_checkpoint(config: Config, run_dir: Path):
     """This run's latest complete checkpoint (a CheckpointLocation), or None."""
-    from olmo_eqx.checkpoint_paths import CheckpointLocation, _complete_steps
+    from olmo_eqx.checkpoint.paths import CheckpointLocation, _complete_steps
 
     if config.checkpoint.dir is not None and config.checkpoint.dir.startswith(("s3://", "gs://")):
         from olmo_eqx.checkpoint import Checkpointer

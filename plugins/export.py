@@ -1,6 +1,6 @@
 """`python -m olmo_eqx +stage=export checkpoint.load=<run dir | checkpoints dir | step dir>`.
 
-Writes the checkpoint as a HF model directory (`olmo_eqx.export.export_hf`): the run dir
+Writes the checkpoint as a HF model directory (`olmo_eqx.interop.export.export_hf`): the run dir
 itself, `<run>.export/` next to a run of ours unless hydra.run.dir says otherwise. It loads with
 `transformers.AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer`, and with
 `olmo_eqx.load_hf(dir)`.
@@ -33,8 +33,8 @@ class Export:
         import jax
 
         from olmo_eqx.config import stage_settings
-        from olmo_eqx.export import export_hf
-        from olmo_eqx.run_dir import RunDir
+        from olmo_eqx.interop.export import export_hf
+        from olmo_eqx.run.run_dir import RunDir
         from olmo_eqx.stages import StageError
 
         settings = stage_settings(self, "export", config.stage or {})

@@ -93,8 +93,8 @@ class Generate:
         from olmo_eqx.config import stage_settings
         from olmo_eqx.errors import EvalError
         from olmo_eqx.evaluation.run import load_subject
-        from olmo_eqx.generate import generate
-        from olmo_eqx.run_dir import RunDir
+        from olmo_eqx.interop.generate import generate
+        from olmo_eqx.run.run_dir import RunDir
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
 
         settings = stage_settings(self, "generate", config.stage or {})

@@ -95,7 +95,7 @@ def _add_loss_before(config: Config, run_dir: Path, summary: dict, before: dict)
     train.log too) and written back to summary.json."""
     import jax
 
-    from olmo_eqx.run_dir import RunDir
+    from olmo_eqx.run.run_dir import RunDir
     from olmo_eqx.train.loop import LOG_FILE
 
     summary = {**summary, "heldout_loss_before": before["loss"]}
@@ -111,7 +111,7 @@ def _add_loss_before(config: Config, run_dir: Path, summary: dict, before: dict)
                   f"before {before['loss']:.4f} | after {after:.4f}")
         out.write_summary(summary)
     if config.trainer.plot and "jsonl" in loggers and jax.process_index() == 0:
-        from olmo_eqx.plots import loss_plot, read_metrics
+        from olmo_eqx.run.plots import loss_plot, read_metrics
         from olmo_eqx.train.loop import METRICS_FILE, PLOT_FILE
 
         records = read_metrics(run_dir / METRICS_FILE)

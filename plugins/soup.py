@@ -53,7 +53,7 @@ class Soup:
 
         from olmo_eqx.checkpoint import Checkpointer
         from olmo_eqx.config import config_to_dict, stage_settings
-        from olmo_eqx.run_dir import RunDir
+        from olmo_eqx.run.run_dir import RunDir
         from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
         from olmo_eqx.stages import StageError
         from olmo_eqx.warm_start import fresh_state, locate, own_checkpoint

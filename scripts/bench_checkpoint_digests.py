@@ -48,7 +48,7 @@ def timed(fn):
 def hash_rate(step_dir: Path, size: int) -> tuple[float, float, float]:
     """(wall s, CPU s, bytes per CPU second) to hash the whole step on one thread: the CPU
     time is the cost of one core's hashing whatever else the machine runs."""
-    import olmo_eqx.checkpoint_digests as digests
+    import olmo_eqx.checkpoint.digests as digests
 
     threads, digests.HASH_THREADS = digests.HASH_THREADS, 1
     try:
@@ -94,7 +94,7 @@ def with_moments(state):
 
 
 def step_size(step_dir: Path) -> tuple[int, int]:
-    import olmo_eqx.checkpoint_digests as digests
+    import olmo_eqx.checkpoint.digests as digests
 
     files = digests._files(step_dir)
     return sum(p.stat().st_size for p in files), len(files)
@@ -119,7 +119,8 @@ def single(args) -> None:
     import jax
 
     import olmo_eqx.checkpoint as checkpoint
-    import olmo_eqx.checkpoint_digests as digests
+    import olmo_eqx.checkpoint.local_steps as local_steps  # where the Checkpointer looks these up
+    import olmo_eqx.checkpoint.digests as digests
 
     state, target = build_state(args.model)
     root = Path(args.dir)
@@ -128,14 +129,14 @@ def single(args) -> None:
     def save_and_restore(name: str, manifest: bool) -> tuple[float, float]:
         write = digests.write_digests
         if not manifest:
-            checkpoint.write_digests = lambda step_dir, files=None: None
+            local_steps.write_digests = lambda step_dir, files=None: None
         try:
             with checkpoint.Checkpointer(root / name, keep_last=None) as c:
                 save_s, _ = timed(lambda: (c.save(1, state), c.wait_until_finished()))
             with checkpoint.Checkpointer(root / name, keep_last=None, read_only=True) as c:
                 restore_s, _ = timed(lambda: jax.block_until_ready(c.restore(1, target=target).state))
         finally:
-            checkpoint.write_digests = write
+            local_steps.write_digests = write
         return save_s, restore_s
 
     save_and_restore("warmup", True)  # compile Orbax's and TensorStore's paths once
@@ -164,13 +165,14 @@ def emulate(mode: str):
     import jax
 
     import olmo_eqx.checkpoint as checkpoint
-    import olmo_eqx.checkpoint_digests as digests
+    import olmo_eqx.checkpoint.local_steps as local_steps  # where the Checkpointer looks these up
+    import olmo_eqx.checkpoint.digests as digests
 
     Checkpointer = checkpoint.Checkpointer
-    saved = (Checkpointer._write_manifest, Checkpointer._hash_own_files, checkpoint.verify_digests, digests.HASH_THREADS)
+    saved = (Checkpointer._write_manifest, Checkpointer._hash_own_files, local_steps.verify_digests, digests.HASH_THREADS)
 
     def undo():
-        Checkpointer._write_manifest, Checkpointer._hash_own_files, checkpoint.verify_digests, digests.HASH_THREADS = saved
+        Checkpointer._write_manifest, Checkpointer._hash_own_files, local_steps.verify_digests, digests.HASH_THREADS = saved
 
     if mode == "none":
         Checkpointer._write_manifest = lambda self: None
@@ -183,7 +185,7 @@ def emulate(mode: str):
 
         Checkpointer._write_manifest = write_manifest_before
         Checkpointer._hash_own_files = lambda self, key: None
-        checkpoint.verify_digests = lambda step_dir, part=(0, 1): digests.verify_digests(step_dir)  # all of it, each
+        local_steps.verify_digests = lambda step_dir, part=(0, 1): digests.verify_digests(step_dir)  # all of it, each
         digests.HASH_THREADS = 1
     elif mode != "after":
         raise ValueError(mode)
@@ -201,8 +203,9 @@ def worker(args) -> None:
     from jax.experimental import multihost_utils
 
     import olmo_eqx.checkpoint as checkpoint
-    import olmo_eqx.checkpoint_digests as digests
-    from olmo_eqx.processes import gather
+    import olmo_eqx.checkpoint.local_steps as local_steps  # where the Checkpointer looks these up
+    import olmo_eqx.checkpoint.digests as digests
+    from olmo_eqx.run.processes import gather
 
     state, target = build_state(args.model)
     root = Path(args.dir)

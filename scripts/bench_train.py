@@ -57,7 +57,7 @@ class Ours:
         import numpy as np
 
         from olmo_eqx.batch import TokenBatch
-        from olmo_eqx.hf import load_hf
+        from olmo_eqx.interop.hf import load_hf
         from olmo_eqx.models.base import unconstrained
         from olmo_eqx.train.loss import objective, target_count
         from olmo_eqx.train.optim import OptimConfig, make_optimizer
@@ -251,7 +251,7 @@ def _write_inputs(directory: str, args) -> None:
     import jax
     import numpy as np
 
-    from olmo_eqx.hf import save_hf
+    from olmo_eqx.interop.hf import save_hf
     from olmo_eqx.models.config import ModelConfig
     from olmo_eqx.models.olmo3 import OLMo
 
@@ -326,9 +326,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if not args.no_huge_pages:
-        # The project's CPU runs re-execute with glibc.malloc.hugetlb=1 (olmo_eqx.huge_pages);
+        # The project's CPU runs re-execute with glibc.malloc.hugetlb=1 (olmo_eqx.run.huge_pages);
         # so does this script, and both sides' processes inherit it.
-        from olmo_eqx.huge_pages import reexec_with_huge_pages
+        from olmo_eqx.run.huge_pages import reexec_with_huge_pages
 
         reexec_with_huge_pages()
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} (both sides)", flush=True)

@@ -71,7 +71,7 @@ def measure(overrides: list[str], steps: int, profile_steps: int = 0, keep_trace
     import jax
 
     from olmo_eqx.config import compose_config
-    from olmo_eqx.flops import flops_per_token
+    from olmo_eqx.models.flops import flops_per_token
     from olmo_eqx.models.attention import resolve_implementation
     from olmo_eqx.plan import CompileRefused, compile_train_step, memory_bytes
     from olmo_eqx.sharding import batch_sharding

@@ -12,7 +12,7 @@
 3. XLA:CPU mallocs each execution's temporaries anew; glibc maps a block that large freshly and
    unmaps it on free, so every call first-touches all of it again: one page fault per 4 KiB.
    The same function in a process started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what
-   `python -m olmo_eqx` does on CPU, olmo_eqx.huge_pages) faults 2 MiB pages instead.
+   `python -m olmo_eqx` does on CPU, olmo_eqx.run.huge_pages) faults 2 MiB pages instead.
 """
 
 import os

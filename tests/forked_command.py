@@ -53,7 +53,7 @@ def _nothing() -> None:
 
 
 def _with_huge_pages(env: dict) -> dict:
-    from olmo_eqx.huge_pages import environment_with_huge_pages
+    from olmo_eqx.run.huge_pages import environment_with_huge_pages
 
     return environment_with_huge_pages(env) or env
 

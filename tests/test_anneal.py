@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from olmo_eqx.checkpoint import Checkpointer
-from olmo_eqx.checkpoint_paths import CheckpointNotFoundError, resolve_checkpoint
+from olmo_eqx.checkpoint.paths import CheckpointNotFoundError, resolve_checkpoint
 from olmo_eqx.config import compose_config
-from olmo_eqx.hf import save_hf
+from olmo_eqx.interop.hf import save_hf
 from olmo_eqx.models.config import YarnConfig
 from olmo_eqx.sharding import ShardingRules, make_mesh
 from olmo_eqx.stages import StageError, load_stage

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from olmo_eqx.checkpoint import COMMIT_MARKER, CheckpointMismatchError, Checkpointer
-from olmo_eqx.export import export_hf
-from olmo_eqx.checkpoint_digests import DIGEST_FILE
+from olmo_eqx.interop.export import export_hf
+from olmo_eqx.checkpoint.digests import DIGEST_FILE
 from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh
@@ -216,8 +216,8 @@ def test_retention_never_drops_the_last_verified_step_for_an_unverified_one(tmp_
 def test_a_reader_of_a_live_run_pins_its_step_or_falls_back_saying_so(tmp_path, mesh8):
     """eval/compare/soup/export of a run still training: the step a reader reads is pinned, so
     the writer's retention keeps it; a step removed before the pin is replaced by the newest."""
-    from olmo_eqx.checkpoint_paths import CheckpointLocation
-    from olmo_eqx.checkpoint_pins import PIN_DIR, pin_location, pinned_steps, unpin
+    from olmo_eqx.checkpoint.paths import CheckpointLocation
+    from olmo_eqx.checkpoint.pins import PIN_DIR, pin_location, pinned_steps, unpin
     from olmo_eqx.warm_start import locate
 
     run_dir = tmp_path / "run"
@@ -252,7 +252,7 @@ def test_a_pin_written_during_retention_waits_for_it(tmp_path):
     reader's completeness check then falls back)."""
     import threading
 
-    from olmo_eqx.checkpoint_pins import pin, pinned_steps, pins_locked, unpin
+    from olmo_eqx.checkpoint.pins import pin, pinned_steps, pins_locked, unpin
 
     directory = tmp_path / "checkpoints"
     directory.mkdir()
@@ -274,8 +274,8 @@ def test_retention_holds_the_pins_lock_where_no_reader_pinned_yet(tmp_path, mesh
     after its step is gone; a run that never deletes keeps no pins/."""
     import fcntl
 
-    import olmo_eqx.checkpoint as checkpoint
-    from olmo_eqx.checkpoint_pins import PIN_DIR
+    import olmo_eqx.checkpoint.local_steps as checkpoint  # retention (`_prune`) looks pinned_steps up there
+    from olmo_eqx.checkpoint.pins import PIN_DIR
 
     state = init_train_state(TINY, OPTIM, mesh8, ShardingRules(), jax.random.key(0))
     writer = Checkpointer(tmp_path, keep_last=1, async_save=False)
@@ -333,7 +333,7 @@ def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
     import time
     import warnings
 
-    from olmo_eqx.checkpoint_pins import _release_all
+    from olmo_eqx.checkpoint.pins import _release_all
     from olmo_eqx.warm_start import load_model, locate
 
     run_dir = tmp_path / "run"
@@ -376,7 +376,7 @@ def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
 
 
 def test_export_hf(reference, tmp_path):
-    hf = pytest.importorskip("olmo_eqx.hf")
+    hf = pytest.importorskip("olmo_eqx.interop.hf")
     out = Path(export_hf(reference["dir"], tmp_path / "hf")["out"])
     assert (out / "config.json").exists()
     model = hf.load_hf(out, padded_vocab_size=TINY.padded_vocab_size)
@@ -419,7 +419,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     # Which files each process hashes, saving and restoring, is observed here.
     import json
     from pathlib import Path
-    import olmo_eqx.checkpoint_digests as digests
+    import olmo_eqx.checkpoint.digests as digests
     from olmo_eqx.train.state import sharded_abstract_train_state
     hashed, phase, digest = {"save": [], "restore": []}, ["save"], digests._digest
     def observed(path):
@@ -456,7 +456,7 @@ def test_two_process_checkpoint_restores_on_one_device(tmp_path, one_device):
     # verified once when restored, each process taking a share.
     hashed = [json.loads(next(line for line in out.splitlines() if line.startswith("HASHED"))[7:]) for out, _ in outputs]
     manifest = json.loads((directory / "2" / DIGEST_FILE).read_text())["files"]
-    from olmo_eqx.checkpoint_digests import _files
+    from olmo_eqx.checkpoint.digests import _files
 
     assert set(manifest) == {p.relative_to(directory / "2").as_posix() for p in _files(directory / "2")}  # every file listed
     for phase in ("save", "restore"):

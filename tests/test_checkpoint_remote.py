@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from olmo_eqx.checkpoint import CheckpointCorruptError, Checkpointer
-from olmo_eqx.checkpoint_remote import COMMITTED, SET_ASIDE_MARKER
+from olmo_eqx.checkpoint.remote import COMMITTED, SET_ASIDE_MARKER
 from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
 from olmo_eqx.train.state import init_train_state, sharded_abstract_train_state
 
@@ -165,7 +165,7 @@ def test_a_run_checkpointing_to_s3_falls_back_from_a_damaged_step_and_recomputes
 
     # A later stage finds it as it finds a local one: the URL, a step under it, or the run dir
     # (whose config.json names the URL); the weights come back verified.
-    from olmo_eqx.checkpoint_paths import CheckpointNotFoundError
+    from olmo_eqx.checkpoint.paths import CheckpointNotFoundError
     from olmo_eqx.warm_start import load_model, locate
 
     assert str(locate(url)) == f"{url}/12" and locate(url).label == "run4@12"
@@ -180,7 +180,7 @@ def test_a_run_checkpointing_to_s3_falls_back_from_a_damaged_step_and_recomputes
 
 
 def test_a_store_that_cannot_be_listed_stops_before_training(s3, state, tmp_path, monkeypatch):
-    from olmo_eqx.checkpoint_storage import CheckpointSaveError, check_storage
+    from olmo_eqx.checkpoint.storage import CheckpointSaveError, check_storage
 
     monkeypatch.setenv("OLMO_EQX_CHECKPOINT_STAGING", str(tmp_path))
 
@@ -251,8 +251,8 @@ def test_a_prefix_belongs_to_one_run_dir_on_s3_and_gcs_and_a_store_refusing_writ
     is written there (and a claim taken over mid-run stops the first run's next upload); a
     store that starts refusing writes (403) stops the save in one line naming the URL, the step
     staged; the next writer uploads it."""
-    from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
-    from olmo_eqx.checkpoint_storage import CheckpointSaveError
+    from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError, claim_checkpoint_dir
+    from olmo_eqx.checkpoint.storage import CheckpointSaveError
     from rangeserver import RangeServer
 
     state, mesh = state
@@ -268,7 +268,7 @@ def test_a_prefix_belongs_to_one_run_dir_on_s3_and_gcs_and_a_store_refusing_writ
                                                               rf"\(its owner.json\), not {run_b}"):
                 claim_checkpoint_dir(url, run_b)
         # Two runs started at once both saw no owner; the later claim won: the first stops at its upload.
-        monkeypatch.setattr("olmo_eqx.checkpoint_remote._CLAIMED", {f"s3://{BUCKET}/owned": str(run_b)})
+        monkeypatch.setattr("olmo_eqx.checkpoint.remote._CLAIMED", {f"s3://{BUCKET}/owned": str(run_b)})
         with Checkpointer(f"s3://{BUCKET}/owned", async_save=False, staging=tmp_path / "s0") as checkpointer:
             with pytest.raises(CheckpointSaveError, match=rf"belongs to the run dir {run_a} \(its owner.json\), not {run_b}"):
                 checkpointer.save(1, state)
@@ -300,7 +300,7 @@ def test_a_bucket_refusing_writes_mid_run_stops_it_in_one_line_and_the_rerun_res
     from moto.s3.exceptions import S3AccessDeniedError
     from moto.s3.models import S3Backend
 
-    from olmo_eqx.checkpoint_storage import CheckpointSaveError
+    from olmo_eqx.checkpoint.storage import CheckpointSaveError
     from olmo_eqx.config import compose_config
     from olmo_eqx.errors import RunError
     from olmo_eqx.train.loop import train
@@ -343,7 +343,7 @@ def test_a_host_lost_before_an_upload_the_rerun_elsewhere_resumes_from_the_bucke
     step 6 and says so, names step 12 and where it is staged, and that steps 7-12 are trained
     again; following its advice (the first staging dir) uploads step 12. The run dir's
     checkpoint_staged.json is what knows of step 12; it is gone once uploaded."""
-    from olmo_eqx.checkpoint_remote import STAGED_RECORD, default_staging
+    from olmo_eqx.checkpoint.remote import STAGED_RECORD, default_staging
     from olmo_eqx.config import compose_config
     from olmo_eqx.train.loop import train
 

@@ -148,7 +148,7 @@ def test_every_shipped_option_composes_with_the_defaults(group):
 
 
 def test_eval_compare_export_and_generate_of_a_run_write_beside_it(tmp_path):
-    from olmo_eqx.run_dir import default_run_dir
+    from olmo_eqx.run.run_dir import default_run_dir
 
     run = tmp_path / "runs" / "tiny"
     (run / "checkpoints" / "200").mkdir(parents=True)
@@ -167,7 +167,7 @@ def test_a_value_typo_gets_a_suggestion():
 
 
 def test_the_sweep_table_names_how_many_steps_its_train_loss_averages():
-    from olmo_eqx.sweep import format_table
+    from olmo_eqx.run.sweep import format_table
 
     def row(job, loss, steps):
         return {"job": job, "overrides": f"x={job}", "train_loss": loss, "train_loss_steps": steps, "heldout_loss": None,

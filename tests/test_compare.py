@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from olmo_eqx.export import export_hf
+from olmo_eqx.interop.export import export_hf
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.evaluation import Scorer, evaluate_heldout, evaluate_kl, load_model, locate
 from olmo_eqx.models.config import ModelConfig

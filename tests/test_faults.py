@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmo_eqx.checkpoint_digests import DIGEST_FILE
+from olmo_eqx.checkpoint.digests import DIGEST_FILE
 from olmo_eqx.data.token_files import write_token_file
-from olmo_eqx.run_lock import LOCK_FILE, RunLock
+from olmo_eqx.run.lock import LOCK_FILE, RunLock
 from olmo_eqx.train.divergence import DivergenceGuard
 
 from clihelp import PLOT, TINY, olmo_eqx, xla_flags
@@ -123,7 +123,7 @@ def test_a_diverging_run_never_costs_the_last_good_checkpoint(tmp_path, env):
 
 
 def test_save_health_confirms_a_save_by_the_healthy_step_after_it():
-    from olmo_eqx.checkpoint_retention import steps_to_delete
+    from olmo_eqx.checkpoint.retention import steps_to_delete
     from olmo_eqx.train.divergence import SaveHealth
 
     health = SaveHealth.resumed(30, {"last_good": 20})
@@ -313,8 +313,8 @@ def test_a_partial_metrics_line_is_set_aside_and_the_resume_appends_cleanly(tmp_
 def test_readers_skip_a_malformed_line_and_a_sweep_without_its_table_fails(tmp_path):
     from omegaconf import OmegaConf
 
-    from olmo_eqx.plots import read_metrics
-    from olmo_eqx.sweep import SweepSummary
+    from olmo_eqx.run.plots import read_metrics
+    from olmo_eqx.run.sweep import SweepSummary
 
     job = tmp_path / "0"
     (job / ".hydra").mkdir(parents=True)
@@ -346,7 +346,7 @@ def hf_dirs(tmp_path_factory) -> dict:
 
     from safetensors.numpy import save_file
 
-    from olmo_eqx.hf import hf_config_dict
+    from olmo_eqx.interop.hf import hf_config_dict
     from olmo_eqx.models.zoo import get_model_config
 
     root = tmp_path_factory.mktemp("hf")
@@ -445,7 +445,7 @@ def test_a_signal_after_done_leaves_exit_status_zero(tmp_path, env):
 def test_a_line_printed_while_the_run_log_closes_is_kept(tmp_path):
     """The race behind the test above, made certain: a signal handler's line lands just as the
     run's log file finishes closing (it once raised "I/O operation on closed file", exit 1)."""
-    from olmo_eqx.run_dir import RunDir
+    from olmo_eqx.run.run_dir import RunDir
 
     run = RunDir(tmp_path, log_name="train.log")
     run.print("stopped at step 2")
@@ -466,7 +466,7 @@ def test_a_line_printed_while_the_run_log_closes_is_kept(tmp_path):
 def test_a_line_printed_while_the_run_log_flushes_follows_the_line_in_progress(tmp_path, capsys):
     """The same handler's line landing inside the closing line's own flush: a second write to
     that buffered file raised "reentrant call" (exit 1 after "done"; seen in CI's suite)."""
-    from olmo_eqx.run_dir import RunDir
+    from olmo_eqx.run.run_dir import RunDir
 
     run = RunDir(tmp_path, log_name="train.log")
     run.print("step 2/12")

@@ -13,12 +13,12 @@ import signal
 
 import pytest
 
-from olmo_eqx.checkpoint_storage import CheckpointSaveError
+from olmo_eqx.checkpoint.storage import CheckpointSaveError
 from olmo_eqx.config import ConfigError, compose_config
 from olmo_eqx.data.mixes import read_mix
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import RunError
-from olmo_eqx.sinks import SinkError
+from olmo_eqx.run.sinks import SinkError
 from olmo_eqx.train.divergence import DivergenceGuard, SaveHealth, runaway_loss_limit
 from olmo_eqx.train.loop import TrainError, TrainingDiverged, train
 
@@ -184,7 +184,7 @@ def test_a_tensorboard_sink_on_a_full_disk_raises_in_one_line_instead_of_hanging
     """tensorboardX's writer thread used to die on ENOSPC and block the loop for good; the
     events are now written in the caller's thread, so the failure is the run's one line. The
     event file may not grow past 4 KiB (this process, soft limit: lifted after)."""
-    from olmo_eqx.run_dir import RunDir
+    from olmo_eqx.run.run_dir import RunDir
 
     out = RunDir(tmp_path / "run", loggers=("tensorboard",))
     out.metrics({"step": 0, "loss": 3.0})  # the writer opens before the limit: only the growth fails

@@ -17,7 +17,7 @@ import transformers
 
 import olmo_eqx
 from olmo_eqx import load_hf
-from olmo_eqx.generate import decode_step, left_pad, prefill
+from olmo_eqx.interop.generate import decode_step, left_pad, prefill
 
 WINDOW = 8
 NEW = 20

@@ -9,7 +9,7 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not i
 
 from olmo_eqx.config import compose_config  # noqa: E402
 from olmo_eqx.plan import plan_config  # noqa: E402
-from olmo_eqx.targets import gpu_devices, parse_target  # noqa: E402
+from olmo_eqx.plan.targets import gpu_devices, parse_target  # noqa: E402
 
 
 def test_train_step_compiles_for_h100s_with_cudnn_attention_and_a_roofline():

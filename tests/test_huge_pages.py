@@ -1,9 +1,9 @@
-"""When CPU runs re-execute with glibc's huge-page tunable (olmo_eqx.huge_pages). That the command
+"""When CPU runs re-execute with glibc's huge-page tunable (olmo_eqx.run.huge_pages). That the command
 really does, keeping its pid, is checked by test_pretrain's SIGTERM test, on hosts that allow it."""
 
 import pytest
 
-from olmo_eqx import huge_pages
+from olmo_eqx.run import huge_pages
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_a_plain_import_never_reexecutes():
 
 
 def test_no_accelerator_device_means_jax_on_the_cpu(tmp_path):
-    from olmo_eqx.accelerators import accelerator_present, run_on_cpu_without_an_accelerator
+    from olmo_eqx.run.accelerators import accelerator_present, run_on_cpu_without_an_accelerator
 
     pci = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
     pci.mkdir(parents=True)
@@ -83,7 +83,7 @@ def test_an_installed_libtpu_says_nothing_on_a_machine_without_one():
     import subprocess
     import sys
 
-    from olmo_eqx.accelerators import accelerator_present
+    from olmo_eqx.run.accelerators import accelerator_present
 
     if importlib.util.find_spec("libtpu") is None or accelerator_present():
         pytest.skip("needs libtpu installed on a machine without an accelerator")

@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from olmo_eqx import load_hf, save_hf, with_config
-from olmo_eqx.generate import generate
-from olmo_eqx.hf import hf_state_dict
+from olmo_eqx.interop.generate import generate
+from olmo_eqx.interop.hf import hf_state_dict
 
 VOCAB = 200
 SEQ = 140  # > 2 chunks of 64
@@ -244,7 +244,7 @@ def test_flops_and_parameters_of_the_released_7b():
     """Olmo-Hybrid-7B: every parameter is a matmul weight, the embedding or a norm/decay vector;
     the GDN layers' kernel FLOPs do not grow with the sequence, the attention layers' do."""
     from olmo_eqx import ZOO, count_params
-    from olmo_eqx.flops import attention_flops_per_token, gdn_flops_per_token, matmul_params
+    from olmo_eqx.models.flops import attention_flops_per_token, gdn_flops_per_token, matmul_params
 
     config = ZOO["olmo_hybrid_7b"]
     n_gdn, n_attention = 24, 8

@@ -53,13 +53,13 @@ def _write_tasks(root: Path, heldout_text: str) -> Path:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(run dir, the lm-eval model, a held-out document's ids, the tasks dir)."""
-    import olmo_eqx.harness
+    import olmo_eqx.interop.harness
     from olmo_eqx.data.embedded import embedded_corpus
     from olmo_eqx.data.heldout import document_bounds
     from olmo_eqx.data.token_files import TokenFile
 
     run = tiny_run(tmp_path_factory)
-    lm = olmo_eqx.harness.OLMoEqxLM(checkpoint=str(run), batch_size=8, max_length=256)
+    lm = olmo_eqx.interop.harness.OLMoEqxLM(checkpoint=str(run), batch_size=8, max_length=256)
     corpus = embedded_corpus()
     tokens = np.asarray(TokenFile(corpus.heldout_files[0], corpus.vocab_size).tokens)
     # A short whole held-out document (no EOS inside), whose text encodes back to the same ids.
@@ -147,7 +147,7 @@ def test_the_readmes_offline_command_runs_the_shipped_task(setup, tmp_path):
     out = tmp_path / "out"
     root = Path(__file__).resolve().parent.parent  # the README's command runs in the repository's root
     result = subprocess.run(
-        [sys.executable, "-m", "olmo_eqx.harness", "--model", "olmo_eqx", "--model_args",
+        [sys.executable, "-m", "olmo_eqx.interop.harness", "--model", "olmo_eqx", "--model_args",
          f"checkpoint={run},max_length=128", "--batch_size", "8", "--tasks", "python_qa",
          "--include_path", "docs/lm_eval_tasks", "--output_path", str(out)],
         capture_output=True, text=True, timeout=300, cwd=root,
@@ -164,7 +164,7 @@ def test_the_readmes_offline_command_runs_the_shipped_task(setup, tmp_path):
 def test_the_command_line_refuses_a_bad_checkpoint_in_one_line(setup, tmp_path):
     *_, tasks = setup
     result = subprocess.run(
-        [sys.executable, "-m", "olmo_eqx.harness", "--model", "olmo_eqx", "--model_args",
+        [sys.executable, "-m", "olmo_eqx.interop.harness", "--model", "olmo_eqx", "--model_args",
          f"checkpoint={tmp_path / 'nope'}", "--tasks", "toy_mc", "--include_path", str(tasks)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
     )

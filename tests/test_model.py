@@ -11,7 +11,7 @@ from jaxtyping import TypeCheckError
 from safetensors.flax import load_file, save_file
 
 from olmo_eqx import OLMo, ZOO, count_params, flops_per_token, get_model_config, load_hf, save_hf, with_config
-from olmo_eqx.hf import HFCheckpointError
+from olmo_eqx.interop.hf import HFCheckpointError
 from olmo_eqx.models.base import logical_axes
 
 

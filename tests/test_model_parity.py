@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from olmo_eqx import load_hf, save_hf, with_config
-from olmo_eqx.hf import hf_state_dict
+from olmo_eqx.interop.hf import hf_state_dict
 
 VOCAB = 200  # deliberately not a multiple of 128, so padding is exercised
 WINDOW = 16

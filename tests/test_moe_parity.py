@@ -17,8 +17,8 @@ import transformers
 from transformers.models.olmoe.modeling_olmoe import load_balancing_loss_func
 
 from olmo_eqx import load_hf, save_hf, with_config
-from olmo_eqx.generate import generate
-from olmo_eqx.hf import hf_state_dict
+from olmo_eqx.interop.generate import generate
+from olmo_eqx.interop.hf import hf_state_dict
 
 VOCAB = 200  # not a multiple of 128: padding is exercised
 SEQ = 24
@@ -233,7 +233,7 @@ def test_dropless_gradients_equal_the_dense_reference(pair):
 def test_flops_count_the_active_experts_and_memory_all_of_them():
     """OLMoE-1B-7B: 6.92B parameters, about 1.3B of them active per token (its model card)."""
     from olmo_eqx import ZOO, count_params
-    from olmo_eqx.flops import matmul_params, total_matmul_params
+    from olmo_eqx.models.flops import matmul_params, total_matmul_params
 
     config = ZOO["olmoe_1b_7b"]
     embedding = config.padded_vocab_size * config.d_model

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from olmo_eqx import load_hf, save_hf
-from olmo_eqx.generate import generate
-from olmo_eqx.hf import hf_state_dict
+from olmo_eqx.interop.generate import generate
+from olmo_eqx.interop.hf import hf_state_dict
 
 VOCAB = 200  # not a multiple of 128: padding is exercised
 SEQ = 24

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from olmo_eqx import huge_pages
+from olmo_eqx.run import huge_pages
 from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.train.loop import TrainError, train

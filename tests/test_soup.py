@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from olmo_eqx.checkpoint import Checkpointer
-from olmo_eqx.checkpoint_paths import resolve_checkpoint
+from olmo_eqx.checkpoint.paths import resolve_checkpoint
 from olmo_eqx.config import ConfigError, compose_config, stage_settings
 from olmo_eqx.sharding import ShardingRules, make_mesh
 from olmo_eqx.stages import StageError, load_stage

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_eqx.checkpoint_paths import CheckpointLocation
+from olmo_eqx.checkpoint.paths import CheckpointLocation
 from olmo_eqx.config import compose_config
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.data.remote import RemoteReader, cache_dir, local_copy

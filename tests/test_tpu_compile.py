@@ -16,7 +16,7 @@ import pytest
 from olmo_eqx.config import compose_config
 from olmo_eqx.plan import compile_train_step, estimate_step, plan_config
 from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh, sharded_abstract_model
-from olmo_eqx.targets import Chip, parse_target, tpu_devices
+from olmo_eqx.plan.targets import Chip, parse_target, tpu_devices
 
 # One attention cycle of a tiny OLMo 3 (3 sliding + 1 full layer), bf16 compute.
 TINY = ["model=olmo3_tiny", "model.compute_dtype=bfloat16", "data.sequence_length=256", "data.global_batch_size=8"]
@@ -75,7 +75,7 @@ def test_tensor_and_context_parallel_steps_with_documents_compile_for_tpu(chips)
 
 
 def test_eval_and_generation_steps_compile_for_tpu(chips):
-    from olmo_eqx.generate import _generate
+    from olmo_eqx.interop.generate import _generate
     from olmo_eqx.sharding import activation_sharding
     from olmo_eqx.train.step import make_eval_step
 
@@ -137,6 +137,7 @@ def test_the_estimate_counts_every_loop_iteration():
 def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(monkeypatch):
     """The search's choices, over the rows plan_config would give (memory, fit, step time)."""
     import olmo_eqx.plan as plan_module
+    import olmo_eqx.plan.layouts as layouts_module
 
     config = compose_config([*TINY, "data.global_batch_size=16", "data.sequence_length=2048"])  # 4 sequences per chip
     seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "full": 1.4}
@@ -151,7 +152,7 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
         row["estimate"] = {"xla_seconds": step, "roofline_seconds": step, "xla_mfu": 0.5, "roofline_mfu": 0.5}
         return row
 
-    monkeypatch.setattr(plan_module, "plan_config", fake_plan)
+    monkeypatch.setattr(layouts_module, "plan_config", fake_plan)  # what search() calls
     found = plan_module.search(config, TARGET, list(range(4)), max_layouts=8, report=lambda line: None)
     tried = [(r["remat"], r["micro_batches"], r["attention_block_size"]) for r in found["rows"]]
     # save_projections needs 2 micro-batches; the others fit with 1; then blocks for the best.
@@ -186,7 +187,7 @@ def test_building_a_tpu_topology_off_a_tpu_vm_prints_no_libtpu_error_block():
     import subprocess
     import sys
 
-    code = ("from olmo_eqx.targets import parse_target, tpu_devices\n"
+    code = ("from olmo_eqx.plan.targets import parse_target, tpu_devices\n"
             "devices = tpu_devices(parse_target('tpu:v5p:4x4x8'))\n"
             "print(len(devices), len({d.process_index for d in devices}), devices[0].device_kind)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}

@@ -17,7 +17,7 @@ import numpy as np
 from olmo_eqx import OLMo, get_model_config, save_hf
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.data.loader import DataLoader
-from olmo_eqx.hf import hf_state_dict
+from olmo_eqx.interop.hf import hf_state_dict
 from olmo_eqx.train.optim import OptimConfig, make_optimizer
 from olmo_eqx.train.schedules import ScheduleConfig, make_schedule
 from olmo_eqx.train.state import TrainState, new_train_state

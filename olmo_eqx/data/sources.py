@@ -5,7 +5,7 @@ its batches mark documents (`data.document_masking`)."""
 from pathlib import Path
 from typing import Optional
 
-from olmo_eqx.config import DataConfig
+from olmo_eqx.data.config import DataConfig
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.data.heldout import HeldOutSet, heldout_sets
 from olmo_eqx.data.instances import InstanceDataset

@@ -31,6 +31,9 @@ import numpy as np
 from olmo_eqx.data.remote import is_url, local_copy
 from olmo_eqx.data.token_files import DataFileError, token_dtype_for_vocab
 
+# Token strings of EOS in the tokenizers OLMo uses (dolma2's, the embedded corpus's, and others').
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
+
 _DOCS_PER_BATCH = 512
 _PROGRESS_EVERY_DOCS = 100_000  # a progress line within large files
 _SUFFIXES = (".jsonl", ".json", ".txt")

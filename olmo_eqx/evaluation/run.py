@@ -6,7 +6,7 @@
                                    against `stage.against` (B)
 
 Both print their tables and write JSON into the run directory (process 0 only), through the
-run directory's one writer (`olmo_eqx.run_dir.RunDir`): eval.log / compare.log, eval.json /
+run directory's one writer (`olmo_eqx.run.run_dir.RunDir`): eval.log / compare.log, eval.json /
 compare.json, summary.json, and one metrics record per evaluated model to the sinks of
 `trainer.loggers` (metrics.jsonl, TensorBoard, W&B), at the checkpoint's step.
 
@@ -23,7 +23,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from olmo_eqx.checkpoint_paths import CheckpointLocation
+from olmo_eqx.checkpoint.paths import CheckpointLocation
 from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.remote import is_url, local_copy
 from olmo_eqx.data.token_files import DataFileError
@@ -36,7 +36,7 @@ from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
 from olmo_eqx.evaluation.settings import CompareSettings, EvalSettings
 from olmo_eqx.evaluation.tokens import TextTokenizer
 from olmo_eqx.models.base import CausalLM
-from olmo_eqx.run_dir import RunDir
+from olmo_eqx.run.run_dir import RunDir
 from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
 from olmo_eqx.warm_start import load_model, locate, stored_model_config, stored_run_config, with_runtime_fields
 

@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import Int
 from tokenizers import Tokenizer
 
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
+from olmo_eqx.data.tokenize import EOS_CANDIDATES
 
 
 def _bytes_to_unicode() -> dict[int, str]:

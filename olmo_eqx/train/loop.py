@@ -11,7 +11,7 @@ finish the step in flight (or, while the loop waits on a slow data server, cut t
 stop at the last step trained), save a checkpoint and return normally (exit status 0).
 
 What goes wrong stops the run with one line (a `TrainError`) and nothing lost: a second run
-on the same run dir (`run_lock`), an unwritable or too small checkpoint dir (before
+on the same run dir (`olmo_eqx.run.lock`), an unwritable or too small checkpoint dir (before
 compiling), a refused resume (before anything in the run dir changes), a checkpoint that
 fails verification (set aside; the previous one is used), a failed save, token ids out of
 range, and divergence (`divergence.py`: never saved, summary says `diverged`; the steps
@@ -20,18 +20,20 @@ saved since the last good one are set aside, so a rerun resumes from the good on
 In multi-process runs every process runs this loop; only process 0 prints and writes the
 run directory's files, all through one `RunDir` (config.json, train.log, summary.json,
 loss.png, and the metric sinks of `trainer.loggers`: metrics.jsonl, TensorBoard, W&B). Orbax
-coordinates the checkpoint writes itself. Data sources come from `olmo_eqx.data.sources`,
-signals from `signals.py`, tokens/s from `throughput.py`, the optional trace from `profile.py`.
+coordinates the checkpoint writes itself.
+
+Read top to bottom: `train` (setup: data, mesh, lock, checkpointer, resume, run dir), then
+`_Loop.run` (step, evaluate, save, stop) and the methods it calls. The wiring before the first
+step (checkpoint dir, lock, resume or fresh start) is `setup.py`; data sources come from
+`olmo_eqx.data.sources`, signals from `olmo_eqx.run.signals`, tokens/s from `throughput.py`,
+the optional trace from `profile.py`.
 """
 
 import contextlib
 import dataclasses
 import json
 import math
-import socket
 import time
-from collections.abc import Callable
-from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Optional
@@ -40,45 +42,38 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from olmo_eqx import huge_pages
+from olmo_eqx.run import huge_pages
 from olmo_eqx.batch import TokenBatch
-from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
-from olmo_eqx.checkpoint_remote import STAGED_RECORD
-from olmo_eqx.checkpoint_storage import check_storage
-from olmo_eqx.checkpoint_paths import CheckpointDirOwnedError, claim_checkpoint_dir
-from olmo_eqx.config import Config, config_to_dict, resume_changes
-from olmo_eqx.data.instances import InstanceDataset
-from olmo_eqx.data.loader import DataLoader, Interrupted, Prefetcher, global_batch_arrays
-from olmo_eqx.data.sampler import LoaderState
+from olmo_eqx.checkpoint import Checkpointer
+from olmo_eqx.checkpoint.remote import STAGED_RECORD
+from olmo_eqx.checkpoint.storage import check_storage
+from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError, claim_checkpoint_dir
+from olmo_eqx.config import Config, config_to_dict
+from olmo_eqx.data.loader import Interrupted, Prefetcher, global_batch_arrays
 from olmo_eqx.data.remote import SizeCache
 from olmo_eqx.data.sources import build_datasets, document_options, remote_sizes  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
-from olmo_eqx.errors import RunError
-from olmo_eqx.flops import flops_per_token
+from olmo_eqx.errors import TrainError
+from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
-from olmo_eqx.plots import loss_plot, read_metrics
-from olmo_eqx.processes import FailureWatch
-from olmo_eqx.run_dir import CONFIG_FILE, SUMMARY_FILE, RunDir
-from olmo_eqx.run_lock import RunLock, RunLockedError
+from olmo_eqx.run.plots import loss_plot, read_metrics
+from olmo_eqx.run.processes import FailureWatch
+from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
-from olmo_eqx.sinks import METRICS_FILE, check_loggers, last_recorded_step
+from olmo_eqx.run.sinks import METRICS_FILE, check_loggers, last_recorded_step
 from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite, runaway_loss_limit
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.train.signals import any_process, ignore_signals_after_completion, stop_on_signals
-from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state, sharded_abstract_train_state
+from olmo_eqx.run.signals import any_process, ignore_signals_after_completion, stop_on_signals
+from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state
+from olmo_eqx.train.setup import InitState, _checkpoint_dir, _never_uploaded, _one_writer, _restore_or_init
 from olmo_eqx.train.step import make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput
 
 LOG_FILE = "train.log"
 PLOT_FILE = "loss.png"
-
-
-class TrainError(RunError):
-    """The run cannot start or go on (refused resume, locked run dir, bad token ids, a failed
-    save, divergence); the message names the input and the fix."""
 
 
 def evaluate(eval_step, model, sets: dict[str, list[TokenBatch]]) -> dict[str, tuple[float, float]]:
@@ -96,126 +91,9 @@ def evaluate(eval_step, model, sets: dict[str, list[TokenBatch]]) -> dict[str, t
 # ---------------------------------------------------------------------------------------------
 # The loop
 
-# Builds a fresh state when there is no checkpoint to resume: (config, mesh, rules) -> TrainState.
-InitState = Callable[[Config, Mesh, ShardingRules], TrainState]
-
-
 def random_init(config: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
     """Stage 1's start: weights from `trainer.seed`, a fresh optimiser."""
     return init_train_state(config.model, config.optim, mesh, rules, jax.random.key(config.trainer.seed))
-
-
-def _checkpoint_dir(config: Config, run_dir: Path) -> str:
-    """The run's checkpoint dir, absolute. A relative `checkpoint.dir` resolves against the
-    current directory once and is recorded absolute in config.json; rerun from elsewhere it
-    would name another directory and silently start over, so that is refused."""
-    directory = config.checkpoint.dir
-    if directory is None:
-        return str(run_dir / "checkpoints")
-    if "://" in directory:
-        return directory
-    resolved = str(Path(directory).expanduser().resolve())
-    if not Path(directory).expanduser().is_absolute():
-        try:
-            recorded = json.loads((run_dir / CONFIG_FILE).read_text())["checkpoint"]["dir"]
-        except (OSError, ValueError, KeyError, TypeError):
-            recorded = None
-        if recorded and recorded != resolved:
-            raise TrainError(
-                f"checkpoint.dir={directory} is relative: from {Path.cwd()} it names {resolved}, but this run dir's "
-                f"checkpoints are in {recorded}. Give checkpoint.dir={recorded} (absolute) to continue the run"
-            )
-    return resolved
-
-
-def _restore_or_init(
-    config: Config, checkpointer: Checkpointer, dataset: InstanceDataset, mesh: Mesh, rules: ShardingRules,
-    init_state: InitState, notes: list[str],
-) -> tuple[TrainState, DataLoader, int, SaveHealth]:
-    """(state, loader, step, health): from the newest checkpoint that verifies, else fresh.
-
-    Raises `TrainError` for every refusal (other model, data, seed, batch, sequence length)
-    before the caller writes anything into the run dir. A checkpoint that fails verification
-    is set aside and the one before it used; `notes` gets one line per such step.
-    """
-    steps = checkpointer.all_steps()
-    if steps and not config.checkpoint.resume:
-        raise TrainError(
-            f"{checkpointer.directory} already holds checkpoints (latest step {steps[-1]}) and "
-            "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
-        )
-    state, loader_state, start_step, health, stored_config = None, None, 0, SaveHealth(), None
-    if steps:
-        target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
-        unusable = []
-        for step in reversed(steps):
-            try:
-                restored = checkpointer.restore(step, target=target)
-            except CheckpointMismatchError as e:
-                raise TrainError(f"cannot resume: {e}") from e
-            except CheckpointCorruptError as e:
-                unusable.append(f"{e}; set aside: {checkpointer.set_aside(step, e.reason)}")
-                continue
-            state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
-            stored_config = restored.config
-            health = SaveHealth.resumed(step, restored.health)
-            break
-        fallback = f"falling back to step {start_step}" if state is not None else "no usable checkpoint is left"
-        notes.extend(f"{line}; {fallback}" for line in unusable)
-        if state is None:
-            raise TrainError(
-                f"{'; '.join(unusable)}. No checkpoint in {checkpointer.directory} verifies; rerunning will "
-                "start from step 0 (the damaged steps are kept under set_aside/)"
-            )
-        notes.append(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step})")
-    try:
-        loader = DataLoader(
-            dataset,
-            config.data.global_batch_size,
-            config.data.seed,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-            state=loader_state,
-        )
-    except DataFileError as e:  # e.g. another dataset, seed or batch size than the checkpoint's
-        raise TrainError(str(e)) from e
-    if loader.step != start_step:
-        raise TrainError(f"checkpoint step {start_step} and its data position (step {loader.step}) disagree")
-    if stored_config is not None and (changed := resume_changes(stored_config, config)):
-        checkpoint = str(checkpointer.directory / str(start_step))
-        notes.append(_resume_changes_note(changed, config.checkpoint.accept_changes, checkpoint))
-    if state is None:
-        state = init_state(config, mesh, rules)
-    return state, loader, start_step, health
-
-
-def _resume_changes_note(changed: dict, accepted: tuple[str, ...], checkpoint: str) -> str:
-    """The line a resume with changed settings prints; raises `TrainError` (before anything in
-    the run dir changes) unless checkpoint.accept_changes names every changed key."""
-    said = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
-    refused = [key for key in changed if key not in accepted]
-    if refused:
-        raise TrainError(
-            f"cannot resume from {checkpoint} with changed settings: {said}. Give the checkpoint's values to "
-            f"continue that run, or add checkpoint.accept_changes=[{','.join(changed)}] to resume with the new ones"
-        )
-    return f"Resuming with changed settings (checkpoint.accept_changes): {said}"
-
-
-@contextmanager
-def _one_writer(run_dir: Path, main_process: bool):
-    """Hold the run dir's lock (process 0 only) for the duration."""
-    if not main_process:
-        yield
-        return
-    try:
-        lock = RunLock(run_dir).acquire()
-    except RunLockedError as e:
-        raise TrainError(str(e)) from e
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def train(config: Config, run_dir: Path, init_state: InitState = random_init, notes: tuple[str, ...] = ()) -> dict:
@@ -309,32 +187,6 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         return summary
 
 
-def _never_uploaded(checkpointer: Checkpointer, start_step: int) -> list[str]:
-    """One line per step newer than `start_step` that a run committed in its staging dir and
-    never uploaded to the object store (`checkpoint_remote.StagedRecord`; a host lost, or a
-    rerun with another staging dir): the store cannot have it, so this rerun starts older."""
-    record = checkpointer.staged_record
-    if record is None:
-        return []
-    resuming = f"resuming from step {start_step}" if start_step else "starting from step 0"
-    lines = []
-    for step, where in sorted(record.entries().items()):
-        if step <= start_step:
-            continue
-        path, host = Path(where.get("path", "?")), where.get("host", "?")
-        url = f"{checkpointer.directory}/{step}"
-        if host == socket.gethostname() and path.parent == checkpointer.staging_dir:
-            # This staging dir: the Checkpointer would have uploaded it had it been complete.
-            lines.append(f"checkpoint step {step}, staged at {path}, never reached {url} and cannot be uploaded (it "
-                         f"is gone, lacks its commit marker or fails its digests): {resuming}")
-        else:
-            lines.append(f"checkpoint step {step} was saved in the staging dir {path} on host {host} but never "
-                         f"uploaded to {url} (the run stopped, or its upload failed): {resuming}. To resume from "
-                         f"step {step} instead, stop this run and rerun on {host} with "
-                         f"OLMO_EQX_CHECKPOINT_STAGING={path.parent.parent}, which uploads it first")
-    return lines
-
-
 class TrainingDiverged(TrainError):
     """Loss, grad norm, held-out loss or the state went non-finite, or too many steps were skipped."""
 
@@ -394,6 +246,85 @@ class _Loop:
         # This session's records, for loss.png when metrics.jsonl is not among the loggers.
         self.history: list[dict] = []
         self.loop_started = time.perf_counter()
+
+    def run(self) -> dict:
+        trainer, checkpointer = self.trainer, self.checkpointer
+        interrupted = None
+        pending: Optional[tuple[int, dict]] = None
+        profiler = StepProfiler(trainer.profile_steps, self.out.path, self.out.enabled, self.out.print)
+        sharding, documents = self.sharding, self.documents
+        to_global = lambda b: global_batch_arrays(b, sharding, **documents)  # noqa: E731  (runs in the prefetch thread)
+        self.loop_started = time.perf_counter()
+        depth = self.config.data.prefetch_batches
+        # Remote token files: `depth` batches read at once, so round trips overlap across batches too.
+        workers = depth if self.loader.dataset.reader is not None else 1
+        prefetcher = Prefetcher(self.loader, depth=depth, transform=to_global, workers=workers)
+        with stop_on_signals(self.out.print) as stop, prefetcher as batches:
+            if jax.process_count() == 1:  # several processes must agree on their last step: at log steps
+                prefetcher.interrupted = lambda: bool(stop)
+            try:
+                for step in range(self.start_step + 1, self.end_step + 1):
+                    profiler.before_step(step)
+                    try:
+                        batch = next(batches)
+                    except Interrupted:  # a signal while a slow server held the batch: stop at the last step
+                        interrupted, self.end_step = stop.signal, step - 1
+                        break
+                    self.state, metrics = self.train_step(self.state, batch)
+                    profiler.after_step(step, metrics)
+                    checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
+                    if pending is not None:  # the previous step's metrics, one step late
+                        self.record(*pending, boundary=False)
+                        pending = None
+                    evaluate_now = bool(self.eval_batches) and (step % trainer.eval_every == 0 or step == self.end_step)
+                    save_now = bool(self.config.checkpoint.every) and step % self.config.checkpoint.every == 0
+                    # A step is checked by the divergence guard before it is saved or evaluated.
+                    log_now = step == self.start_step + 1 or step % trainer.log_every == 0 or step == self.end_step
+                    downstream_now = self.downstream is not None and self.downstream.due(step, self.end_step)
+                    if log_now or evaluate_now or save_now or downstream_now:
+                        self.record(step, metrics, boundary=True)
+                    else:
+                        pending = (step, metrics)
+                    if evaluate_now:
+                        self.run_eval(step)
+                    if downstream_now:
+                        self.downstream.run(step, self.state.model, self.write, self.out.print)
+                        self.throughput.pause()
+                    if save_now:
+                        self.save(step)
+                    # Every process must stop at the same step: agree (a collective) at log steps.
+                    if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
+                        if any_process(bool(stop)):
+                            interrupted, self.end_step = stop.signal or "signal on another process", step
+                            break
+                if pending is not None:
+                    self.record(*pending, boundary=False)
+            finally:
+                profiler.stop()  # a run stopped inside the profiled range still leaves its trace
+        if self.start_step >= self.end_step and interrupted is None:
+            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
+                           f"{trainer.stop_at or trainer.steps}")
+            if self.eval_batches:
+                self.run_eval(self.start_step)
+        self.save(self.end_step)
+        checkpointer.wait_until_finished()
+
+        end_step = self.end_step
+        summary = self.summary(end_step, interrupted=interrupted)
+        summary_path = self.out.write_summary(summary)
+        ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
+        self.plot()
+        took = f"{summary['wall_time_s']:.1f}s"
+        if end_step == trainer.steps:
+            status = f"done in {took}"
+        else:
+            status = f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}) after {took}; rerun to resume"
+        plot = f" | plot: {self.out.file(PLOT_FILE)}" if self.trainer.plot else ""
+        self.out.print(
+            f"\n{status} | summary: {summary_path}{plot}"
+            f"\n{json.dumps(summary, indent=2)}"
+        )
+        return summary
 
     def banner(self, mesh: Mesh) -> None:
         data, trainer = self.config.data, self.trainer
@@ -582,82 +513,3 @@ class _Loop:
         span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps"
         title = f"{self.config.model.name} | {self.out.path.name} | {span} of {self.trainer.steps}"
         loss_plot(records, self.out.file(PLOT_FILE), title=title)
-
-    def run(self) -> dict:
-        trainer, checkpointer = self.trainer, self.checkpointer
-        interrupted = None
-        pending: Optional[tuple[int, dict]] = None
-        profiler = StepProfiler(trainer.profile_steps, self.out.path, self.out.enabled, self.out.print)
-        sharding, documents = self.sharding, self.documents
-        to_global = lambda b: global_batch_arrays(b, sharding, **documents)  # noqa: E731  (runs in the prefetch thread)
-        self.loop_started = time.perf_counter()
-        depth = self.config.data.prefetch_batches
-        # Remote token files: `depth` batches read at once, so round trips overlap across batches too.
-        workers = depth if self.loader.dataset.reader is not None else 1
-        prefetcher = Prefetcher(self.loader, depth=depth, transform=to_global, workers=workers)
-        with stop_on_signals(self.out.print) as stop, prefetcher as batches:
-            if jax.process_count() == 1:  # several processes must agree on their last step: at log steps
-                prefetcher.interrupted = lambda: bool(stop)
-            try:
-                for step in range(self.start_step + 1, self.end_step + 1):
-                    profiler.before_step(step)
-                    try:
-                        batch = next(batches)
-                    except Interrupted:  # a signal while a slow server held the batch: stop at the last step
-                        interrupted, self.end_step = stop.signal, step - 1
-                        break
-                    self.state, metrics = self.train_step(self.state, batch)
-                    profiler.after_step(step, metrics)
-                    checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
-                    if pending is not None:  # the previous step's metrics, one step late
-                        self.record(*pending, boundary=False)
-                        pending = None
-                    evaluate_now = bool(self.eval_batches) and (step % trainer.eval_every == 0 or step == self.end_step)
-                    save_now = bool(self.config.checkpoint.every) and step % self.config.checkpoint.every == 0
-                    # A step is checked by the divergence guard before it is saved or evaluated.
-                    log_now = step == self.start_step + 1 or step % trainer.log_every == 0 or step == self.end_step
-                    downstream_now = self.downstream is not None and self.downstream.due(step, self.end_step)
-                    if log_now or evaluate_now or save_now or downstream_now:
-                        self.record(step, metrics, boundary=True)
-                    else:
-                        pending = (step, metrics)
-                    if evaluate_now:
-                        self.run_eval(step)
-                    if downstream_now:
-                        self.downstream.run(step, self.state.model, self.write, self.out.print)
-                        self.throughput.pause()
-                    if save_now:
-                        self.save(step)
-                    # Every process must stop at the same step: agree (a collective) at log steps.
-                    if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
-                        if any_process(bool(stop)):
-                            interrupted, self.end_step = stop.signal or "signal on another process", step
-                            break
-                if pending is not None:
-                    self.record(*pending, boundary=False)
-            finally:
-                profiler.stop()  # a run stopped inside the profiled range still leaves its trace
-        if self.start_step >= self.end_step and interrupted is None:
-            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
-                           f"{trainer.stop_at or trainer.steps}")
-            if self.eval_batches:
-                self.run_eval(self.start_step)
-        self.save(self.end_step)
-        checkpointer.wait_until_finished()
-
-        end_step = self.end_step
-        summary = self.summary(end_step, interrupted=interrupted)
-        summary_path = self.out.write_summary(summary)
-        ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
-        self.plot()
-        took = f"{summary['wall_time_s']:.1f}s"
-        if end_step == trainer.steps:
-            status = f"done in {took}"
-        else:
-            status = f"stopped at step {end_step} ({interrupted or 'trainer.stop_at'}) after {took}; rerun to resume"
-        plot = f" | plot: {self.out.file(PLOT_FILE)}" if self.trainer.plot else ""
-        self.out.print(
-            f"\n{status} | summary: {summary_path}{plot}"
-            f"\n{json.dumps(summary, indent=2)}"
-        )
-        return summary

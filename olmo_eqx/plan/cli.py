@@ -1,0 +1,113 @@
+"""`python -m olmo_eqx.plan [overrides] [+plan.key=value ...]`: the planner's command line."""
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from olmo_eqx.plan import compile
+from olmo_eqx.plan.compile import target_devices
+from olmo_eqx.plan.estimate import add_estimate
+from olmo_eqx.plan.layouts import search
+from olmo_eqx.plan.planner import plan_config
+from olmo_eqx.plan.report import format_estimate, format_plan
+from olmo_eqx.plan.targets import parse_target
+
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    target: str = "cpu:8"
+    json: str = ""
+    hlo: str = ""
+    estimate: Optional[bool] = None  # None: for accelerator targets
+    search: bool = False
+    max_layouts: int = 8
+
+
+def _bool(name: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise SystemExit(f"+plan.{name} must be true or false, got {value!r}")
+
+
+def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
+    """Split `+plan.key=value` options from the run's config overrides."""
+    options, overrides = {}, []
+    names = ("target", "devices", "json", "hlo", "estimate", "search", "max_layouts")
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key.startswith("plan."):
+            name = key[len("plan.") :]
+            if name not in names:
+                raise SystemExit(f"unknown planner option {arg!r}; the options are " + ", ".join(f"+plan.{n}" for n in names))
+            options[name] = value
+        else:
+            overrides.append(arg)
+    if "devices" in options:
+        if "target" in options:
+            raise SystemExit("give +plan.target or +plan.devices (= +plan.target=cpu:N), not both")
+        if not options["devices"].isdigit():
+            raise SystemExit(f"+plan.devices must be a whole number, got {options['devices']!r}")
+        options["target"] = f"cpu:{options.pop('devices')}"
+    if not options.get("max_layouts", "8").isdigit():
+        raise SystemExit(f"+plan.max_layouts must be a whole number, got {options['max_layouts']!r}")
+    return PlanOptions(
+        target=options.get("target", "cpu:8"),
+        json=options.get("json", ""),
+        hlo=options.get("hlo", ""),
+        estimate=_bool("estimate", options["estimate"]) if "estimate" in options else None,
+        search=_bool("search", options.get("search", "false")),
+        max_layouts=int(options.get("max_layouts", 8)),
+    ), overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    options, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    target = parse_target(options.target)
+    # Fake devices must be configured before JAX starts its CPU backend; an accelerator target
+    # compiles with JAX on the host's CPU (the CUDA plugin would otherwise look for a driver).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if target.platform == "cpu":
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={target.n_devices}".strip()
+    import jax
+
+    # The package has imported jax already, which read JAX_PLATFORMS then; its backends
+    # start only now, so the setting still takes effect through the config.
+    jax.config.update("jax_platforms", "cpu")
+    if target.platform != "cpu":
+        # A program for abstract chips cannot be loaded back from a persistent compilation
+        # cache (there is no client to load it into); a user's JAX_COMPILATION_CACHE_DIR
+        # would only collect entries that warn on every later read.
+        jax.config.update("jax_enable_compilation_cache", False)
+    from olmo_eqx.config import compose_config
+
+    config = compose_config(overrides)
+    devices = target_devices(target)
+    estimate = target.platform != "cpu" if options.estimate is None else options.estimate
+    compile._progress = lambda line: print(line, flush=True)  # noqa: E731
+    print(f"compiling the train step for {target.describe()} (a 7B step takes minutes on 2 cores) ...", flush=True)
+    if options.search:
+        result = search(config, target, devices, max_layouts=options.max_layouts, estimate=estimate)
+        best = result["best"]
+        print(f"\nsearched {len(result['rows'])} layouts in {result['search_seconds']:.0f} s; ", end="")
+        print("none fits" if best is None else f"best: remat {best['remat']}, {best['micro_batches']} micro-batch(es), "
+              f"attention block {best['attention_block_size'] or 'auto'}\n\n{format_plan(best)}", flush=True)
+    else:
+        # The memory plan first: the estimate's two more compiles take as long again.
+        result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)
+        print(format_plan(result), flush=True)
+        if estimate and target.chip and not result.get("refused"):
+            print("\nestimating the step time (two more compiles: one and two attention cycles unrolled; "
+                  "+plan.estimate=false skips them) ...", flush=True)
+            add_estimate(result, config, devices, target.per_device)
+            print(format_estimate(result), flush=True)
+    if options.json:
+        import json
+
+        with open(options.json, "w") as f:
+            json.dump(result, f, indent=2)

@@ -1,0 +1,181 @@
+"""Compiling the train step for a target's devices, for abstract inputs (nothing allocated)."""
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from olmo_eqx.plan.targets import Target, gpu_devices, tpu_devices
+
+# Where compile_train_step says what it compiles and how long it took (main() prints it; a
+# plan from Python stays quiet).
+_progress: Optional[Callable[[str], None]] = None
+_compiles = 0
+
+
+class CompileRefused(Exception):
+    """The target's compiler refused the program (XLA:TPU: it does not fit in HBM).
+
+    `str()` is the compiler's verdict in a line; `details` its whole message (XLA:TPU lists
+    the program's largest allocations there)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
+@dataclass
+class CompiledStep:
+    memory: object  # CompiledMemoryStats
+    cost: dict
+    hlo: str
+    state: object  # the abstract, sharded TrainState
+    mesh: object
+    rules: object
+    # The executable itself: `executable(batch, arrays)` runs it where the devices are real
+    # (scripts/measure_step.py), `arrays` being the state's arrays (`eqx.filter(state, eqx.is_array)`).
+    executable: object = None
+
+
+def target_devices(target: Target) -> list:
+    """The devices a plan compiles for: fake CPU devices, or a TPU/GPU target's abstract ones."""
+    import jax
+
+    if target.platform == "tpu":
+        return tpu_devices(target)
+    if target.platform == "gpu":
+        return gpu_devices(target)
+    if jax.device_count() < target.n_devices:
+        raise SystemExit(
+            f"the planner needs {target.n_devices} fake devices but JAX has {jax.device_count()}: run it as "
+            "`python -m olmo_eqx.plan ...` in a fresh process (XLA_FLAGS is set before JAX starts)"
+        )
+    return jax.devices()[: target.n_devices]
+
+
+def _cost_analysis(compiled) -> dict:
+    import jax
+
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if not cost:
+        # XLA:GPU's executables answer UNIMPLEMENTED; XLA's HLO cost analysis of the same
+        # optimised module, run by the CPU client, counts its FLOPs and bytes (no time).
+        from jax._src.lib import _jax
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+    return {key: float(value) for key, value in (cost or {}).items() if "{" not in key}
+
+
+def _refusal(error: Exception) -> Optional[str]:
+    """The compiler's own out-of-memory message, in a line or two, or None for other errors."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    keep = [line for line in lines if "RESOURCE_EXHAUSTED" in line or "Ran out of memory" in line or "Exceeded" in line]
+    return " ".join(keep or lines[:1])[:600]
+
+
+def compile_train_step(config, devices) -> CompiledStep:
+    """Lower and compile `config`'s train step for abstract inputs on `devices` (nothing allocated)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh
+    from olmo_eqx.train.schedules import make_schedule
+    from olmo_eqx.train.state import sharded_abstract_train_state
+    from olmo_eqx.train.step import make_train_step
+
+    mesh = make_mesh(config.mesh, devices)
+    rules = ShardingRules()
+    state = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+    layout = batch_sharding(mesh, rules)
+    shape = (config.data.global_batch_size, config.data.sequence_length)
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout),
+        "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout),
+    }
+    # Document masking (stage 3) hands the model segment ids, and positions when they restart.
+    if config.data.document_masking:
+        batch["segment_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
+    if config.data.reset_positions_per_document:
+        batch["positions"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
+    schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
+    step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=config.trainer.micro_batches).step
+
+    # eqx.filter_jit would treat ShapeDtypeStruct leaves as static: jit the array part instead.
+    arrays, static = eqx.partition(state, _is_abstract)
+
+    def array_step(batch, arrays):
+        new_state, metrics = step(batch, eqx.combine(arrays, static))
+        return eqx.filter(new_state, eqx.is_array), metrics
+
+    model = config.model
+    what = (f"{model.n_layers} layers, remat {model.remat}, {config.trainer.micro_batches} micro-batch(es) of "
+            f"{config.data.global_batch_size // config.trainer.micro_batches} x {config.data.sequence_length}")
+    global _compiles
+    _compiles += 1
+    if _progress:
+        _progress(f"  compile {_compiles}: {what} ...")
+    started = time.perf_counter()
+    try:
+        compiled = jax.jit(array_step, donate_argnums=1).lower(batch, arrays).compile()
+    except Exception as e:
+        if (message := _refusal(e)) is not None:
+            if _progress:
+                _progress(f"  compile {_compiles}: refused by the compiler after {time.perf_counter() - started:.0f} s")
+            raise CompileRefused(message, str(e)) from None
+        raise
+    if _progress:
+        _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
+    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+
+
+def memory_bytes(memory) -> dict:
+    """XLA's memory analysis of one device's program, per kind, and their sum ("total": what
+    XLA:CPU and XLA:GPU need; XLA:TPU holds its temporaries alone against HBM, see plan_config)."""
+    arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
+    aliased, temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
+    return {
+        "arguments": arguments,
+        "outputs": outputs,
+        "aliased": aliased,
+        "temporaries": temporaries,
+        # Donated arguments are aliased by the outputs: counted once.
+        "total": arguments + outputs - aliased + temporaries,
+        "host": getattr(memory, "host_temp_size_in_bytes", 0) + getattr(memory, "host_argument_size_in_bytes", 0),
+    }
+
+
+def _is_abstract(x) -> bool:
+    import jax
+
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _per_device_bytes(tree) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(tree, is_leaf=_is_abstract)
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+
+def _batch_shards(mesh, rules) -> int:
+    return math.prod(mesh.shape[axis] for axis in rules.batch)
+
+
+def _with(config, *, model=None, micro_batches=None, global_batch=None):
+    """`config` with some model fields, the micro-batch count or the global batch changed."""
+    changes = {}
+    if model:
+        changes["model"] = config.model.replace(**model)
+    if micro_batches is not None:
+        changes["trainer"] = dataclasses.replace(config.trainer, micro_batches=micro_batches)
+    if global_batch is not None:
+        changes["data"] = dataclasses.replace(config.data, global_batch_size=global_batch)
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,108 @@
+"""Estimating the step time and MFU of a plan that compiled: XLA's cost analysis of the model
+with one and two attention cycles unrolled, extrapolated, and a roofline of the chip's peaks."""
+
+import time
+from typing import Optional
+
+from olmo_eqx.plan.compile import _with, compile_train_step
+from olmo_eqx.plan.targets import Chip
+
+
+def _experts(config, mesh, batch_shards: int) -> Optional[dict]:
+    """A mixture of experts' layout: experts per device, and the all-to-all slots of expert
+    parallelism (olmoe.py: each device gives each peer T * min(k, E/P) rows per layer, T its
+    tokens of one micro-batch), or None for a dense model."""
+    model, data = config.model, config.data
+    if model.n_experts is None:
+        return None
+    ep = mesh.shape.get("expert", 1)
+    per_device = model.n_experts // ep if model.n_experts % ep == 0 else model.n_experts
+    tokens = data.global_batch_size * data.sequence_length // (batch_shards * mesh.shape["context"] * config.trainer.micro_batches)
+    slots = tokens * min(model.n_experts_per_token, per_device) if ep > 1 else 0
+    return {
+        "n_experts": model.n_experts,
+        "active": model.n_experts_per_token,
+        "expert_parallel": ep,
+        "experts_per_device": per_device,
+        "tokens_per_device_per_micro_batch": tokens,
+        "all_to_all_slots_per_peer": slots,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimating the step time
+
+
+def _attention_recomputed(remat: str) -> bool:
+    """Whether a remat policy runs attention's forward again in the backward pass."""
+    return remat not in ("none", "save_projections", "save_attention", "offload_projections")
+
+
+def estimate_step(config, devices, chip: Chip, collective_bytes: float, kernel: str) -> dict:
+    """Step FLOPs, HBM bytes and time per device, reconciled for the loops XLA counts once.
+
+    XLA's cost analysis counts a while loop's body once, whatever its trip count: the layer
+    scan, the loss chunks and the micro-batch loop. Two more compiles give what it cannot:
+    the model with one attention cycle and with two, unrolled, on one micro-batch, with the
+    loss in one chunk (so no loop is left but attention's own). Their difference is one cycle;
+    the step is micro_batches x (one-cycle program + (cycles - 1) x cycle). The optimiser's
+    update is then counted once per micro-batch, a small overcount (elementwise, per shard).
+    """
+    from olmo_eqx.models.flops import attention_flops_per_token
+
+    model, data = config.model, config.data
+    micro = config.trainer.micro_batches
+    cycles = model.n_layers // model.cycle_length
+    unrolled = dict(scan_layers=False, loss_chunk_size=data.sequence_length)
+    small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
+    one = compile_train_step(_with(small, model=dict(unrolled, n_layers=model.cycle_length)), devices).cost
+    two = compile_train_step(_with(small, model=dict(unrolled, n_layers=2 * model.cycle_length)), devices).cost
+
+    def step_total(key: str) -> Optional[float]:
+        if key not in one or key not in two:
+            return None
+        return micro * (one[key] + (cycles - 1) * (two[key] - one[key]))
+
+    flops, hbm_bytes, xla_seconds = step_total("flops"), step_total("bytes accessed"), step_total("optimal_seconds")
+    # A Pallas or cuDNN attention kernel is opaque to XLA's cost analysis: add its FLOPs
+    # (forward 4 of the formula's 12 per context token, again when remat recomputes it).
+    kernel_flops = 0.0
+    if kernel in ("splash", "cudnn"):
+        tokens = data.global_batch_size * data.sequence_length / len(devices)
+        per_token = attention_flops_per_token(model, data.sequence_length)
+        kernel_flops = tokens * per_token * (16 / 12 if _attention_recomputed(model.remat) else 1.0)
+    flops = (flops or 0.0) + kernel_flops
+    compute_s = flops / chip.peak_bf16_flops
+    memory_s = (hbm_bytes or 0.0) / chip.hbm_bandwidth
+    network_s = collective_bytes / chip.ici_bandwidth
+    roofline = max(compute_s, memory_s, network_s)
+    bound = ("compute", "HBM", "interconnect")[[compute_s, memory_s, network_s].index(roofline)]
+    return {
+        "flops": flops,
+        "kernel_flops": kernel_flops,
+        "hbm_bytes": hbm_bytes,
+        "roofline_seconds": roofline,
+        "roofline_bound": bound,
+        "roofline_terms": {"compute": compute_s, "hbm": memory_s, "interconnect": network_s},
+        # XLA's own cost model, plus the kernel's FLOPs at peak (it does not see them either).
+        # (XLA:GPU has no time model: the CPU client's analysis gives none worth the name.)
+        "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
+        # What the compiler said, kept when it is unusable: XLA:TPU has answered a negative
+        # `optimal_seconds` for large programs (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
+        "xla_optimal_seconds": {"one_cycle": one.get("optimal_seconds"), "two_cycles": two.get("optimal_seconds")},
+    }
+
+
+def add_estimate(result: dict, config, devices, chip: Chip) -> dict:
+    """Add the step-time and MFU estimates (`estimate_step`) to a plan that compiled."""
+    started = time.perf_counter()
+    collective_bytes = float(sum(t["bytes"] for t in result["collectives"].values()))
+    result["estimate"] = est = estimate_step(config, devices, chip, collective_bytes, result["attention_kernel"])
+    for name in ("xla_seconds", "roofline_seconds"):
+        seconds = est[name]
+        est[name.replace("seconds", "mfu")] = (
+            result["model_flops_per_device"] / (seconds * chip.peak_bf16_flops) if seconds else None
+        )
+    est["reconciled_over_model_flops"] = est["flops"] / result["model_flops_per_device"]
+    result["estimate_seconds"] = time.perf_counter() - started
+    return result

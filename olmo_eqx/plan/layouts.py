@@ -1,0 +1,89 @@
+"""Searching layouts (remat policies, micro-batches, attention blocks) for the fastest that fits."""
+
+import math
+import time
+from typing import Optional
+
+from olmo_eqx.plan.compile import _with
+from olmo_eqx.plan.planner import plan_config
+from olmo_eqx.plan.report import format_row
+from olmo_eqx.plan.targets import Target
+
+def _layouts(config, target: Target, batch_shards: int):
+    """Candidate layouts, most memory first within each remat policy: (model changes, micro-batches)."""
+    policies = ["save_projections", "save_attention", "full"]
+    if target.platform in ("tpu", "gpu"):
+        policies.insert(1, "offload_projections")  # host offload: accelerators only
+    per_device = config.data.global_batch_size // max(batch_shards, 1)
+    micro = [m for m in (1, 2, 4, 8, 16) if per_device and per_device % m == 0] or [1]
+    for remat in policies:
+        for m in micro:
+            yield {"remat": remat}, m
+
+
+def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: bool = True, report=print) -> dict:
+    """Try layouts for `target` and name the fastest that fits (by the estimates' step time).
+
+    Per remat policy, the fewest micro-batches that fit; then, for the best, a larger and a
+    smaller attention block. At most `max_layouts` compiles of the step (each layout that fits
+    also costs the estimate's two smaller compiles).
+    """
+    if target.chip is None:
+        raise SystemExit("+plan.search needs an accelerator target (+plan.target=tpu:... or gpu:...): a chip to fit and a peak")
+    from olmo_eqx.sharding import MESH_AXES, ShardingRules
+
+    sizes = dict(zip(MESH_AXES, config.mesh.shape(len(devices))))
+    shards = math.prod(sizes[axis] for axis in ShardingRules().batch)  # data x fsdp x expert: the batch shards
+    rows, tried = [], 0
+    started = time.perf_counter()
+
+    def run(changes: dict, micro: int) -> dict:
+        nonlocal tried
+        tried += 1
+        layout = _with(config, model=changes, micro_batches=micro)
+        row = plan_config(layout, target, devices, estimate=estimate)
+        rows.append(row)
+        report(format_row(row, header=len(rows) == 1))
+        return row
+
+    for changes, micro in _layouts(config, target, shards):
+        if tried >= max_layouts:
+            break
+        if any(r["remat"] == changes["remat"] and r["fits"] for r in rows):
+            continue  # this policy already fits with fewer micro-batches
+        run(changes, micro)
+    best = _best(rows)
+    if best and config.data.sequence_length >= 1024:
+        from olmo_eqx.models.attention import DEFAULT_BLOCK, SPLASH_BLOCK
+
+        base = best["attention_block_size"] or (SPLASH_BLOCK if target.platform == "tpu" else DEFAULT_BLOCK)
+        for block in (2 * base, base // 2):
+            if tried >= max_layouts or block < 128 or block > config.data.sequence_length:
+                continue
+            run({"remat": best["remat"], "attention_block_size": block}, best["micro_batches"])
+        best = _best(rows)
+    return {"rows": rows, "best": best, "search_seconds": time.perf_counter() - started}
+
+
+def _step_seconds(row: dict) -> Optional[float]:
+    est = row.get("estimate")
+    if not row.get("fits") or not est:
+        return None
+    return est["xla_seconds"] or est["roofline_seconds"]
+
+
+def _best(rows: list[dict]) -> Optional[dict]:
+    """The fastest layout that fits; near-ties go to the layout with fewer unknowns.
+
+    Neither estimate sees host offload's transfers (over the host link, no published figure
+    per chip) nor an opaque kernel's block size: offloading the projections ties with saving
+    them in HBM, and splash's blocks all tie. Within 1% of the fastest, prefer no host memory,
+    then less HBM, then the kernel's default block.
+    """
+    timed = [r for r in rows if _step_seconds(r)]
+    if not timed:
+        return next((r for r in rows if r.get("fits")), None)
+    fastest = min(_step_seconds(r) for r in timed)
+    close = [r for r in timed if _step_seconds(r) <= 1.01 * fastest]
+    used = lambda r, key: r.get("bytes", {}).get(key, 0)  # noqa: E731
+    return min(close, key=lambda r: (used(r, "host"), used(r, "needed"), r["attention_block_size"] is not None))

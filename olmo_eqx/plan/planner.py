@@ -1,0 +1,130 @@
+"""The plan of one config: compile its train step for a target and read its figures."""
+
+import math
+import time
+from typing import Optional
+
+from olmo_eqx.plan.compile import (
+    CompileRefused, _batch_shards, _per_device_bytes, compile_train_step, memory_bytes, target_devices,
+)
+from olmo_eqx.plan.estimate import _experts, add_estimate
+from olmo_eqx.plan.hlo import _BYTES, collective_traffic
+from olmo_eqx.plan.targets import Target, parse_target
+
+GIB = 1024**3
+# What fits where, for XLA:CPU plans (an accelerator target compares with its own chip).
+ACCELERATORS = (("TPU v6e", 32), ("H100", 80), ("TPU v5p", 95), ("H200", 141))
+
+
+def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: str = "") -> dict:
+    """Compile `config`'s train step for `target` and return its figures (see the module doc)."""
+    import jax.numpy as jnp
+
+    from olmo_eqx.models.flops import flops_per_token
+    from olmo_eqx.models.attention import resolve_implementation
+    from olmo_eqx.models.registry import count_params
+    from olmo_eqx.train.state import TrainState
+
+    model, data = config.model, config.data
+    kernel = resolve_implementation(model.attention_impl, jnp.dtype(model.compute_dtype), target.platform)
+    tokens = data.global_batch_size * data.sequence_length
+    chip = target.per_device
+    result = {
+        "target": target.spec,
+        "target_description": target.describe(),
+        "model": model.name,
+        "parameters": count_params(model),
+        "devices": len(devices),
+        "global_batch": data.global_batch_size,
+        "sequence_length": data.sequence_length,
+        "micro_batches": config.trainer.micro_batches,
+        "compute_dtype": model.compute_dtype,
+        "param_dtype": model.param_dtype,
+        "remat": model.remat,
+        "attention_impl": model.attention_impl,
+        "attention_kernel": kernel,
+        "attention_block_size": model.attention_block_size,
+        "loss_chunk_size": model.loss_chunk_size,
+        "hbm_per_device": chip.hbm_bytes if chip else None,
+        "model_flops_per_device": flops_per_token(model, data.sequence_length) * tokens / len(devices),
+        "warnings": [],
+    }
+    started = time.perf_counter()
+    try:
+        step = compile_train_step(config, devices)
+    except CompileRefused as refusal:
+        result.update(fits=False, refused=str(refusal), compile_seconds=time.perf_counter() - started)
+        return result
+    result["compile_seconds"] = time.perf_counter() - started
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(step.hlo)
+    mesh, rules, state = step.mesh, step.rules, step.state
+    assert isinstance(state, TrainState)
+    params, optimizer = _per_device_bytes(state.model), _per_device_bytes(state.opt_state)
+    memory = memory_bytes(step.memory)
+    # What the target's compiler holds against the chip's HBM. XLA:TPU compares its temporaries
+    # alone ("the total memory required for HLO temporaries (X) exceeds available HBM") and
+    # refuses above; a v5e chip ran programs whose arguments + temporaries exceeded its HBM
+    # (18.0 GiB on 15.75: docs/planning.md, "Checked on a chip"), so for TPU that sum overstates
+    # the need. Elsewhere arguments + outputs + temporaries is the bound.
+    memory["needed"] = memory["temporaries"] if target.platform == "tpu" else memory["total"]
+    needed = memory["needed"]
+    traffic, gathered, unknown_trip = collective_traffic(step.hlo)
+    batch_shards = _batch_shards(mesh, rules)
+    result.update(
+        mesh=dict(mesh.shape),
+        per_device_batch=data.global_batch_size / batch_shards,
+        bytes={
+            "parameters": params,
+            "optimizer_state": optimizer,
+            "other_state": _per_device_bytes(state) - params - optimizer,
+            **memory,
+        },
+        collectives=traffic,
+        collectives_lower_bound=unknown_trip,
+        experts=_experts(config, mesh, batch_shards),
+        xla_flops_per_device_loops_once=step.cost.get("flops"),
+    )
+    # An accelerator's compiler refuses what does not fit (XLA:TPU) or only logs it (XLA:GPU):
+    # compare with the chip either way; XLA:CPU's figures are compared with the usual chips.
+    if chip:
+        result["fits"] = needed <= chip.hbm_bytes
+    else:
+        result["fits_accelerators"] = {name: needed <= gib * GIB for name, gib in ACCELERATORS}
+    warnings = result["warnings"]
+    if data.global_batch_size % batch_shards:
+        warnings.append(
+            f"the global batch {data.global_batch_size} is not divisible by the {batch_shards} batch shards "
+            f"({' x '.join(rules.batch)}): every device computes the whole batch; choose a multiple of {batch_shards}"
+        )
+    elif batch_shards < len(devices):
+        warnings.append(
+            f"each sequence is computed on {len(devices) // batch_shards} devices (the batch is split {batch_shards} ways "
+            "over data x fsdp; context splits each sequence, tensor its heads and MLP)"
+        )
+    # Float tensors only: the embedding lookup all-gathers the int32 token ids (4 bytes a
+    # token) so each device can gather its slice of d_model for them, which is cheap.
+    shape = (data.global_batch_size, data.sequence_length)
+    batch_gathers = [g for g in gathered if g[0] in ("bf16", "f16", "f32") and g[1][:2] == shape]
+    result["batch_sized_all_gathers"] = len(batch_gathers)
+    if batch_gathers:
+        dtype, dims, op = batch_gathers[0]
+        warnings.append(
+            f"{len(batch_gathers)} all-gather(s) of batch-sized float tensors, e.g. {dtype}{list(dims)} "
+            f"({math.prod(dims) * _BYTES[dtype] / GIB:.2f} GiB) from `{op}`: "
+            "every device holds that tensor for the whole global batch"
+        )
+    if estimate and chip:
+        add_estimate(result, config, devices, chip)
+    return result
+
+
+def plan(overrides: list[str], target: Target | str | int = "cpu:8", *, estimate: Optional[bool] = None) -> dict:
+    """Compile the run's train step for `target` (see `olmo_eqx.plan.targets`; an int N is `cpu:N`)."""
+    from olmo_eqx.config import compose_config
+
+    target = parse_target(f"cpu:{target}" if isinstance(target, int) else target) if not isinstance(target, Target) else target
+    config = compose_config(overrides)
+    devices = target_devices(target)
+    return plan_config(config, target, devices, estimate=target.platform != "cpu" if estimate is None else estimate)

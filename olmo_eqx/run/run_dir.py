@@ -1,0 +1,255 @@
+"""A run directory's one writer: every stage writes its config, summary, printed log, metrics
+and other files through a `RunDir`, never by opening files of its own.
+
+    run = RunDir(path, log_name="train.log", loggers=("jsonl", "tensorboard"))
+    run.print("step 1 | loss 8.3")          # stdout and the log file
+    run.metrics({"step": 1, "loss": 8.3})   # fanned out to the sinks (olmo_eqx/run/sinks.py)
+    run.write_config(config)                # config.json
+    run.write_summary(summary)              # summary.json (what a sweep's table reads)
+    run.close()
+
+In multi-process runs only process 0 writes (`enabled=False` elsewhere: every call is a no-op,
+so callers need no `if main_process`). Files are created on first write, so a run that is
+refused before it writes anything leaves none of them behind.
+
+A write that fails (a full or read-only disk) raises `SinkError`, one line naming the file,
+which stops the run (exit status 2; the checkpoints are untouched). From then on nothing more
+is written to that file and `close` stays quiet about it, so the error is said once.
+"""
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+
+from olmo_eqx.run.sinks import MetricSink, make_sinks, sink_error
+
+CONFIG_FILE = "config.json"
+# Every stage's summary (a JSON object) lands here, in its run directory.
+SUMMARY_FILE = "summary.json"
+
+
+def _jsonable(data: Any) -> Any:
+    return dataclasses.asdict(data) if dataclasses.is_dataclass(data) and not isinstance(data, type) else data
+
+
+class RunDir:
+    """Process 0's outputs in one run directory (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        enabled: bool = True,
+        log_name: Optional[str] = None,
+        loggers: tuple[str, ...] = (),
+        sink_config: Optional[dict] = None,
+    ):
+        """log_name: the file `print` appends to (None: print only); loggers: metric sinks,
+        opened on the first `metrics` call (sink_config: the run config W&B records)."""
+        self.path = Path(path).resolve()
+        self.enabled = enabled
+        self._log_name, self._log = log_name, None
+        self._loggers, self._sink_config = tuple(loggers), sink_config
+        self._sinks: Optional[list[MetricSink]] = None
+        self._lines: list[tuple[str, bool]] = []  # to print, in order (see `print`)
+        self._printing = False
+        self._failed = False  # a write failed: the run is stopping, its error already raised
+
+    def _writing(self, path: Path | str, write) -> Any:
+        """`write()`, its OSError raised as the run's one-line `SinkError` naming `path`."""
+        try:
+            return write()
+        except OSError as e:
+            self._failed = True
+            raise sink_error(path, e) from None
+
+    def _ensure(self) -> None:
+        self._writing(self.path, lambda: self.path.mkdir(parents=True, exist_ok=True))
+
+    def file(self, name: str) -> Path:
+        """Where `name` lives in this run dir (for writers of their own format: checkpoints, plots)."""
+        return self.path / name
+
+    def print(self, text: str, *, error: bool = False) -> None:
+        """Print (stdout, or stderr with error=True) and append to the log file.
+
+        A signal handler that prints (`ignore_signals_after_completion`) runs between two
+        bytecodes of this thread, possibly inside this method's own write or flush, where a
+        second write to the same buffered file raises "reentrant call". Its line is queued
+        instead and printed by the call in progress, right after that call's line.
+        """
+        if not self.enabled:
+            return
+        self._lines.append((text, error))
+        while self._lines and not self._printing:
+            self._printing = True
+            try:
+                while self._lines:
+                    self._emit(*self._lines.pop(0))
+            finally:
+                self._printing = False
+
+    def _emit(self, text: str, error: bool) -> None:
+        print(text, flush=True, file=sys.stderr if error else sys.stdout)
+        if self._log_name is not None and not self._failed:
+            if self._log is None:
+                self._ensure()
+                self._log = self._writing(self.path / self._log_name, lambda: open(self.path / self._log_name, "a"))
+
+            def append():
+                self._log.write(text + "\n")
+                self._log.flush()
+
+            self._writing(self.path / self._log_name, append)
+
+    def metrics(self, record: dict) -> None:
+        """One record (with an integer "step") to every sink."""
+        if not self.enabled or not self._loggers or self._failed:
+            return
+        if self._sinks is None:
+            self._ensure()
+            self._sinks = self._writing(self.path, lambda: make_sinks(self._loggers, self.path, self._sink_config))
+        for sink in self._sinks:
+            self._writing(getattr(sink, "path", self.path), lambda: sink.write(record))
+
+    def write_json(self, name: str, data: Any) -> Path:
+        path = self.path / name
+        if self.enabled and not self._failed:
+            self._ensure()
+            self._writing(path, lambda: path.write_text(json.dumps(_jsonable(data), indent=2) + "\n"))
+        return path
+
+    def write_text(self, name: str, text: str) -> Path:
+        path = self.path / name
+        if self.enabled and not self._failed:
+            self._ensure()
+            self._writing(path, lambda: path.write_text(text))
+        return path
+
+    def write_config(self, config: Any) -> Path:
+        return self.write_json(CONFIG_FILE, config)
+
+    def write_summary(self, summary: dict) -> Path:
+        return self.write_json(SUMMARY_FILE, summary)
+
+    def close(self) -> None:
+        """Close the sinks and the log; a failure is raised as `SinkError` unless a write
+        already failed (then that error is the one in flight, and buffered lines are dropped)."""
+        sinks, self._sinks = self._sinks or [], None
+        # Taken out of reach before closing: a signal handler that prints while the file closes
+        # (ignore_signals_after_completion) then appends to a fresh handle, not a closed one.
+        log, self._log = self._log, None
+        closing = [(getattr(sink, "path", self.path), sink.close) for sink in sinks]
+        if log is not None:
+            closing.append((self.path / self._log_name, log.close))
+        first = None
+        for path, close in closing:
+            try:
+                close()
+            except OSError as e:
+                first = first or sink_error(path, e)
+        if first is not None and not self._failed:
+            self._failed = True
+            raise first
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# Files Hydra itself puts into a run dir before the stage runs.
+_HYDRA_FILES = {".hydra", "olmo_eqx.log"}
+# run dir -> the outermost directory this invocation created for it (outputs/<date>/ on a new day).
+_new_run_dirs: dict[Path, Path] = {}
+
+
+class NoteNewRunDir(Callback):
+    """Hydra callback (conf/config.yaml): remember whether this invocation's run dir is new, so
+    a refused invocation can remove the directory Hydra made for it."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        _note_if_new(Path(str(config.hydra.run.dir)))
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _note_if_new(Path(str(config.hydra.sweep.dir)), sweep=True)
+
+
+# Sweep dirs this invocation created (Hydra writes multirun.yaml there before any job runs).
+_new_sweep_dirs: set[Path] = set()
+
+
+def _note_if_new(path: Path, sweep: bool = False) -> None:
+    path = top = path.resolve()
+    if path.exists():
+        return
+    while not top.parent.exists():
+        top = top.parent
+    _new_run_dirs[path] = top
+    if sweep:
+        _new_sweep_dirs.add(path)
+
+
+def remove_new_sweep_dirs_left_unused() -> None:
+    """After a sweep refused before any job ran (a typo'd key): remove the sweep dir this
+    invocation created if it holds only Hydra's multirun.yaml."""
+    for path in list(_new_sweep_dirs):
+        if path.is_dir() and {p.name for p in path.iterdir()} <= {"multirun.yaml"}:
+            (path / "multirun.yaml").unlink(missing_ok=True)
+            _remove_with_new_parents(path)
+
+
+def remove_if_new_and_empty(path: Path) -> bool:
+    """Remove `path` if this invocation created it and it holds only Hydra's own files (an
+    empty olmo_eqx.log at most); True when removed. A directory that existed before, or that
+    holds anything a stage wrote, is never touched."""
+    path = Path(path).resolve()
+    if path not in _new_run_dirs or not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    if any(p.name not in _HYDRA_FILES for p in entries) or any(p.is_file() and p.stat().st_size for p in entries):
+        return False
+    shutil.rmtree(path)
+    _remove_with_new_parents(path)
+    return True
+
+
+def _remove_with_new_parents(path: Path) -> None:
+    """Remove `path` (gone or empty) and the parents this invocation made for it, if nothing
+    else has landed there since."""
+    top = _new_run_dirs[path]
+    if path.is_dir():
+        path.rmdir()
+    while path != top:
+        path = path.parent
+        if any(path.iterdir()):
+            break
+        path.rmdir()
+
+
+# Stages whose output belongs to the model they read (checkpoint.load), not to a new run.
+_BESIDE_THE_MODEL = ("eval", "compare", "export", "generate")
+
+
+def default_run_dir(stage: Optional[str], load: Optional[str], fallback: str) -> str:
+    """The run dir when none is given (`hydra.run.dir` in conf/config.yaml, the resolver
+    `olmo_eqx_run_dir`): eval, compare, export and generate of one of our runs write next to it, as
+    `<run>.<stage>` (`<run>.<stage>-step<N>` for one step dir), so the results sit beside the
+    model and a rerun replaces them; everything else (and an HF model dir, often shared or
+    read-only) gets `fallback`, Hydra's `outputs/<date>/<time>`."""
+    if stage not in _BESIDE_THE_MODEL or not load or "://" in load:
+        return fallback
+    path, suffix = Path(load).expanduser().resolve(), ""
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        path, suffix = path.parent.parent, f"-step{path.name}"
+    elif path.name == "checkpoints":
+        path = path.parent
+    if not (path / CONFIG_FILE).is_file() or not (path / "checkpoints").is_dir():
+        return fallback  # not a run dir of ours
+    return str(path.parent / f"{path.name}.{stage}{suffix}")
