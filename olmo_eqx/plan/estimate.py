@@ -35,7 +35,7 @@ def _experts(config, mesh, batch_shards: int) -> Optional[dict]:
 
 def _attention_recomputed(remat: str) -> bool:
     """Whether a remat policy runs attention's forward again in the backward pass."""
-    return remat not in ("none", "save_projections", "save_attention", "offload_projections")
+    return remat not in ("none", "save_projections", "save_attention", "save_context", "offload_projections")
 
 
 def estimate_step(config, devices, chip: Chip, collective_bytes: float, kernel: str) -> dict:
