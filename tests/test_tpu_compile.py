@@ -140,7 +140,7 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     import olmo_eqx.plan.layouts as layouts_module
 
     config = compose_config([*TINY, "data.global_batch_size=16", "data.sequence_length=2048"])  # 4 sequences per chip
-    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "full": 1.4}
+    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "save_context": 1.02, "full": 1.4}
     fits = {("save_projections", 1): False, ("save_projections", 2): True}
 
     def fake_plan(layout, target, devices, *, estimate):
@@ -156,9 +156,9 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     found = plan_module.search(config, TARGET, list(range(4)), max_layouts=8, report=lambda line: None)
     tried = [(r["remat"], r["micro_batches"], r["attention_block_size"]) for r in found["rows"]]
     # save_projections needs 2 micro-batches; the others fit with 1; then blocks for the best.
-    assert tried[:5] == [("save_projections", 1, None), ("save_projections", 2, None), ("offload_projections", 1, None),
-                         ("save_attention", 1, None), ("full", 1, None)]
-    assert tried[5:] == [("save_attention", 1, 2048), ("save_attention", 1, 512)]
+    assert tried[:6] == [("save_projections", 1, None), ("save_projections", 2, None), ("offload_projections", 1, None),
+                         ("save_attention", 1, None), ("save_context", 1, None), ("full", 1, None)]
+    assert tried[6:] == [("save_attention", 1, 2048), ("save_attention", 1, 512)]
     assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_attention", 512)
 
 

@@ -11,7 +11,7 @@ from olmo_eqx.plan.targets import Target
 
 def _layouts(config, target: Target, batch_shards: int):
     """Candidate layouts, most memory first within each remat policy: (model changes, micro-batches)."""
-    policies = ["save_projections", "save_attention", "full"]
+    policies = ["save_projections", "save_attention", "save_context", "full"]
     if target.platform in ("tpu", "gpu"):
         policies.insert(1, "offload_projections")  # host offload: accelerators only
     per_device = config.data.global_batch_size // max(batch_shards, 1)
