@@ -50,10 +50,22 @@ def _splash_calls(hlo: str) -> int:
     return hlo.count('custom_call_target="tpu_custom_call"')
 
 
-def test_train_step_compiles_for_tpu_with_splash_picked_by_the_target(chips, tmp_path):
+def test_train_step_compiles_for_tpu_with_splash_picked_by_the_target(chips, tmp_path, monkeypatch):
+    import olmo_eqx.plan.estimate as estimate_module
+
     config = compose_config(TINY)
     assert config.model.attention_impl == "auto" and jax.default_backend() == "cpu"
-    p = plan_config(config, TARGET, chips, estimate=False, hlo_path=str(tmp_path / "step.hlo"))
+
+    def no_more_compiles(*_):
+        raise AssertionError("a program with no loops needs no more compiles for its estimate")
+
+    monkeypatch.setattr(estimate_module, "compile_train_step", no_more_compiles)
+    p = plan_config(config, TARGET, chips, estimate=True, hlo_path=str(tmp_path / "step.hlo"))
+    # One micro-batch, 4 layers unrolled on a TPU, the loss in one chunk: no while loop, so
+    # XLA's count is the step's and the estimate reads it as it is (plus the kernel's FLOPs).
+    estimate = p["estimate"]
+    assert estimate["estimate_unit"] == "step"
+    assert estimate["flops"] == p["xla_flops_per_device_loops_once"] + estimate["kernel_flops"]
     # auto resolves by the chips compiled for, not by this CPU host.
     assert p["attention_kernel"] == "splash" and p["fits"] and p["devices"] == 4
     assert 0 < p["bytes"]["temporaries"] < p["hbm_per_device"]
@@ -132,6 +144,34 @@ def test_the_estimate_counts_every_loop_iteration():
     assert counted_once < 0.6 * truth  # what the estimate corrects
     # Left over: the optimiser update and the gradient sum are counted once per micro-batch.
     assert abs(estimate["flops"] - truth) <= 0.01 * truth
+
+
+def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, monkeypatch):
+    """Splash hides attention from XLA, so to XLA a sliding-window layer costs what a full one
+    does: the estimate compiles one and two plain layers (not one and two 4-layer cycles), and
+    still equals XLA's count of the whole step with no loops (a 4-layer cycle scanned, 2 micro-batches
+    and 2 loss chunks against all unrolled in one), once the kernel's formula FLOPs are set aside."""
+    import olmo_eqx.plan.estimate as estimate_module
+
+    looped = compose_config([*TINY, "+model.scan_layers=true", "model.loss_chunk_size=128",
+                             "trainer.micro_batches=2"])
+    flat = dataclasses.replace(
+        looped,
+        model=looped.model.replace(scan_layers=False, loss_chunk_size=256),
+        trainer=dataclasses.replace(looped.trainer, micro_batches=1),
+    )
+    layers = []
+
+    def compile_and_note(config, devices):
+        layers.append((config.model.n_layers, config.model.sliding_window))
+        return compile_train_step(config, devices)
+
+    monkeypatch.setattr(estimate_module, "compile_train_step", compile_and_note)
+    estimate = estimate_step(looped, chips, Chip("test", 1e12, 1e12, 1e12, 1e12), collective_bytes=0.0, kernel="splash")
+    assert layers == [(1, None), (2, None)]
+    truth = compile_train_step(flat, chips).cost["flops"]
+    assert abs(estimate["flops"] - estimate["kernel_flops"] - truth) <= 0.01 * truth
+    assert estimate["estimate_unit"] == "layer"
 
 
 def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(monkeypatch):

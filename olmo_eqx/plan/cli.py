@@ -102,8 +102,11 @@ def main(argv: list[str] | None = None) -> None:
         result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)
         print(format_plan(result), flush=True)
         if estimate and target.chip and not result.get("refused"):
-            print("\nestimating the step time (two more compiles: one and two attention cycles unrolled; "
-                  "+plan.estimate=false skips them) ...", flush=True)
+            if result.get("xla_cost_loop_free") is not None:
+                print("\nestimating the step time (from this program: it has no loops, so no more compiles) ...", flush=True)
+            else:
+                print("\nestimating the step time (two more compiles: one and two layers unrolled, or attention cycles "
+                      "where XLA sees the attention; +plan.estimate=false skips them) ...", flush=True)
             add_estimate(result, config, devices, target.per_device)
             print(format_estimate(result), flush=True)
     if options.json:

@@ -1,5 +1,5 @@
 """Estimating the step time and MFU of a plan that compiled: XLA's cost analysis of the model
-with one and two attention cycles unrolled, extrapolated, and a roofline of the chip's peaks."""
+with one and two layers (or attention cycles) unrolled, extrapolated, and a roofline of the chip's peaks."""
 
 import time
 from typing import Optional
@@ -38,30 +38,50 @@ def _attention_recomputed(remat: str) -> bool:
     return remat not in ("none", "save_projections", "save_attention", "save_context", "offload_projections")
 
 
-def estimate_step(config, devices, chip: Chip, collective_bytes: float, kernel: str) -> dict:
+def estimate_step(
+    config, devices, chip: Chip, collective_bytes: float, kernel: str, loop_free_cost: Optional[dict] = None
+) -> dict:
     """Step FLOPs, HBM bytes and time per device, reconciled for the loops XLA counts once.
 
     XLA's cost analysis counts a while loop's body once, whatever its trip count: the layer
     scan, the loss chunks and the micro-batch loop. Two more compiles give what it cannot:
-    the model with one attention cycle and with two, unrolled, on one micro-batch, with the
-    loss in one chunk (so no loop is left but attention's own). Their difference is one cycle;
-    the step is micro_batches x (one-cycle program + (cycles - 1) x cycle). The optimiser's
+    the model with one repeating unit and with two, unrolled, on one micro-batch, with the
+    loss in one chunk (so no loop is left but attention's own). Their difference is one unit;
+    the step is micro_batches x (one-unit program + (units - 1) x unit). The optimiser's
     update is then counted once per micro-batch, a small overcount (elementwise, per shard).
+
+    The unit is one layer when attention runs in a kernel XLA cannot see into (splash, cuDNN):
+    a sliding-window layer then differs from a full one only inside the kernel, whose FLOPs
+    are added from the formula, so to XLA every layer is alike. Otherwise it is one attention
+    cycle (OLMo 3: 3 sliding + 1 full; OLMo-Hybrid: its layer pattern). One and two layers
+    compile in about a quarter of the time of one and two 4-layer cycles.
+
+    `loop_free_cost`: the cost analysis of the plan's own program when it holds no while loop
+    (one micro-batch, layers unrolled, the loss in one chunk: XLA counted everything once, as
+    it runs), which is then the step's, and no more compiles are needed.
     """
     from olmo_eqx.models.flops import attention_flops_per_token
 
     model, data = config.model, config.data
     micro = config.trainer.micro_batches
-    cycles = model.n_layers // model.cycle_length
-    unrolled = dict(scan_layers=False, loss_chunk_size=data.sequence_length)
-    small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
-    one = compile_train_step(_with(small, model=dict(unrolled, n_layers=model.cycle_length)), devices).cost
-    two = compile_train_step(_with(small, model=dict(unrolled, n_layers=2 * model.cycle_length)), devices).cost
+    opaque = kernel in ("splash", "cudnn") and model.architecture != "olmo_hybrid"
+    if opaque:  # every layer alike to XLA: plain full-attention layers stand in for each
+        name, unit_layers, units, unit = "layer", 1, model.n_layers, dict(sliding_window=None)
+    else:
+        name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
+    if loop_free_cost is not None:
+        name, micro, units = "step", 1, 1
+        one = two = loop_free_cost  # step_total below: 1 x (the program + 0 x ...)
+    else:
+        unrolled = dict(unit, scan_layers=False, loss_chunk_size=data.sequence_length)
+        small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
+        one = compile_train_step(_with(small, model=dict(unrolled, n_layers=unit_layers)), devices).cost
+        two = compile_train_step(_with(small, model=dict(unrolled, n_layers=2 * unit_layers)), devices).cost
 
     def step_total(key: str) -> Optional[float]:
         if key not in one or key not in two:
             return None
-        return micro * (one[key] + (cycles - 1) * (two[key] - one[key]))
+        return micro * (one[key] + (units - 1) * (two[key] - one[key]))
 
     flops, hbm_bytes, xla_seconds = step_total("flops"), step_total("bytes accessed"), step_total("optimal_seconds")
     # A Pallas or cuDNN attention kernel is opaque to XLA's cost analysis: add its FLOPs
@@ -89,7 +109,11 @@ def estimate_step(config, devices, chip: Chip, collective_bytes: float, kernel: 
         "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
         # What the compiler said, kept when it is unusable: XLA:TPU has answered a negative
         # `optimal_seconds` for large programs (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
-        "xla_optimal_seconds": {"one_cycle": one.get("optimal_seconds"), "two_cycles": two.get("optimal_seconds")},
+        "xla_optimal_seconds": (
+            {"the program": one.get("optimal_seconds")} if loop_free_cost is not None
+            else {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
+        ),
+        "estimate_unit": name,
     }
 
 
@@ -97,7 +121,9 @@ def add_estimate(result: dict, config, devices, chip: Chip) -> dict:
     """Add the step-time and MFU estimates (`estimate_step`) to a plan that compiled."""
     started = time.perf_counter()
     collective_bytes = float(sum(t["bytes"] for t in result["collectives"].values()))
-    result["estimate"] = est = estimate_step(config, devices, chip, collective_bytes, result["attention_kernel"])
+    result["estimate"] = est = estimate_step(
+        config, devices, chip, collective_bytes, result["attention_kernel"], result.get("xla_cost_loop_free")
+    )
     for name in ("xla_seconds", "roofline_seconds"):
         seconds = est[name]
         est[name.replace("seconds", "mfu")] = (

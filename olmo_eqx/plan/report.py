@@ -107,7 +107,7 @@ def format_estimate(p: dict) -> str:
         lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step, MFU {100 * est['xla_mfu']:.1f}%")
     else:
         raw = est.get("xla_optimal_seconds") or {}
-        said = ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in raw.items() if v is not None) or "nothing"
+        said = ", ".join(f"{k} {v:.3f} s" for k, v in raw.items() if v is not None) or "nothing"
         lines.append(f"  XLA's cost model: no usable step time (its optimal_seconds: {said}); the roofline stands alone")
     lines += [f"  (published: {figure})" for model, figure in PUBLISHED_MFU if model == p["model"]]
     return "\n".join(lines)
