@@ -62,6 +62,8 @@ CASES = {
     "window-mha": dict(seq=200, heads=2, kv_heads=2, sliding_window=48, block_size=128),
     # the default 512 block is clipped to the padded sequence (256)
     "wide-window": dict(seq=200, heads=4, kv_heads=2, sliding_window=1000, block_size=512),
+    # 5 key blocks: the backward's separate dq kernel (up to 4, one fused kernel)
+    "five-blocks": dict(seq=600, heads=2, kv_heads=1, sliding_window=None, block_size=128),
 }
 
 
@@ -153,3 +155,11 @@ def test_a_policy_keeping_the_context_keeps_the_kernels_residuals(capsys):
     assert "f32[1,2,256,64] output of jitted function '_splash_attention'" in kept  # the output, heads major
     assert "f32[1,2,256] output of jitted function '_splash_attention'" in kept  # the log-sum-exp
     assert "_splash_attention" not in saved(None)
+
+
+def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_few():
+    """The fused backward holds one partial dq per key block: a long context keeps the
+    separate dq kernel."""
+    fused = lambda seq: splash._kernel(seq, 2, None, 128, True).tree_flatten()[1]["block_sizes"].use_fused_bwd_kernel  # noqa: E731
+    assert fused(128 * splash.FUSED_BACKWARD_MAX_KEY_BLOCKS)
+    assert not fused(128 * (splash.FUSED_BACKWARD_MAX_KEY_BLOCKS + 1))

@@ -27,6 +27,8 @@ from jaxtyping import Array, Float, Int
 LANES = 128
 
 
+# The most key blocks for which the backward pass runs as one fused kernel (see _kernel).
+FUSED_BACKWARD_MAX_KEY_BLOCKS = 4
 # The checkpoint name of the attention context (models/olmo3.py's Attention.output).
 RESIDUAL_NAME = "attention_context"
 
@@ -50,7 +52,10 @@ def _kernel(
     # Without the backward block sizes the kernel has no VJP. One fused backward kernel forms
     # dq beside dk and dv (the separate dq kernel would compute the scores a third time):
     # olmo3_600m on a v5e, full remat, 16 x 4096: 3.29 -> 3.15 s a step (docs/performance.md).
-    fused = True
+    # It writes one partial dq per key block and sums them after, so it holds that many copies
+    # of dq: fine at 4 (4096 tokens in 1024-token blocks, what was measured), not at a long
+    # context's 64, which keeps the separate dq kernel.
+    fused = seq // block <= FUSED_BACKWARD_MAX_KEY_BLOCKS
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,
