@@ -46,7 +46,12 @@ PLOT = "trainer.plot=true"
 
 
 def olmo_eqx(
-    *args: str, env: Optional[dict] = None, timeout: float = 300, cwd: Optional[Path] = None, cold: bool = False
+    *args: str,
+    env: Optional[dict] = None,
+    timeout: float = 300,
+    cwd: Optional[Path] = None,
+    cold: bool = False,
+    file_size_limit: int = 0,
 ):
     """`python -m olmo_eqx ARGS` with the test environment, in a process of its own (forked from
     a warm interpreter unless `cold`: tests/forked_command.py); never raises.
@@ -54,6 +59,7 @@ def olmo_eqx(
     One CPU device unless `env` sets XLA_FLAGS (`xla_flags(n)`): a CLI test is about the
     command, not sharding, and a tiny run on one device costs 30% less CPU than on eight
     (6.8 against 9.5 CPU-s for TINY with a warm cache), a third of the suite's CPU being runs.
+    With `file_size_limit`, no file it writes may grow past that many bytes (a full disk).
     """
     full_env = {**os.environ, "XLA_FLAGS": xla_flags(1), **(env or {})}
-    return run_command(list(args), env=full_env, timeout=timeout, cwd=cwd, cold=cold)
+    return run_command(list(args), env=full_env, timeout=timeout, cwd=cwd, cold=cold, file_size_limit=file_size_limit)

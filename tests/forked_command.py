@@ -87,8 +87,14 @@ def _start_server() -> dict:
     return _server_env
 
 
-def _child(args: list, env: dict, cwd: Optional[str], stdout: str, stderr: str) -> None:
+def _child(args: list, env: dict, cwd: Optional[str], stdout: str, stderr: str, file_size_limit: int = 0) -> None:
     """In the forked child: become `python -m olmo_eqx ARGS` and run it to its exit."""
+    if file_size_limit:  # a full disk: writes past the limit fail with EFBIG (SIGXFSZ ignored)
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
@@ -105,22 +111,32 @@ def _child(args: list, env: dict, cwd: Optional[str], stdout: str, stderr: str) 
 
 
 def run_command(
-    args: list, env: dict, timeout: float, cwd: Optional[Path], cold: bool = False
+    args: list, env: dict, timeout: float, cwd: Optional[Path], cold: bool = False, file_size_limit: int = 0
 ) -> subprocess.CompletedProcess:
     """`python -m olmo_eqx ARGS` with exactly the environment `env`, like `subprocess.run` with
     `capture_output=True, text=True`: forked from the server where it can be, else (or when
-    `cold`) started cold."""
+    `cold`) started cold. With `file_size_limit`, no file the command writes may grow past that
+    many bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the writes fail with EFBIG, as on a full disk);
+    its stdout and stderr stay pipes when started cold, files well under the limit when forked."""
     command = [sys.executable, "-m", "olmo_eqx", *args]
     child_env = _with_huge_pages(env)
     cold = cold or os.environ.get("OLMO_EQX_TEST_FORK") == "0"
     if cold or not _forkable(child_env, _start_server()):
+        if file_size_limit:
+            launcher = (
+                "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                f"resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size_limit}, {file_size_limit})); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'olmo_eqx', *sys.argv[1:]])"
+            )
+            command = [sys.executable, "-c", launcher, *args]
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="olmo_eqx-command-") as scratch:
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
         out.touch()
         err.touch()
         child = _server.Process(
-            target=_child, args=(args, child_env, None if cwd is None else str(cwd), str(out), str(err))
+            target=_child,
+            args=(args, child_env, None if cwd is None else str(cwd), str(out), str(err), file_size_limit),
         )
         child.start()
         child.join(timeout)
