@@ -175,31 +175,44 @@ def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, mo
 
 
 def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(monkeypatch):
-    """The search's choices, over the rows plan_config would give (memory, fit, step time)."""
+    """The search's choices, over the rows plan_config would give (memory, fit, step time):
+    the fewest micro-batches that fit found by bisection, only those layouts estimated."""
     import olmo_eqx.plan as plan_module
     import olmo_eqx.plan.layouts as layouts_module
 
-    config = compose_config([*TINY, "data.global_batch_size=16", "data.sequence_length=2048"])  # 4 sequences per chip
+    config = compose_config([*TINY, "data.global_batch_size=64", "data.sequence_length=2048"])  # 16 sequences per chip
     seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "save_context": 1.02, "full": 1.4}
-    fits = {("save_projections", 1): False, ("save_projections", 2): True}
+    fewest = {"save_projections": 16, "offload_projections": 4, "save_attention": 2}  # the others fit with 1
 
     def fake_plan(layout, target, devices, *, estimate):
+        assert not estimate  # probes compile the step only
         remat, micro = layout.model.remat, layout.trainer.micro_batches
+        return {"remat": remat, "micro_batches": micro, "attention_block_size": layout.model.attention_block_size,
+                "fits": micro >= fewest.get(remat, 1), "compile_seconds": 1.0, "bytes": {"total": 0, "needed": 0}}
+
+    def fake_estimate(row, layout, devices, chip):
         block = layout.model.attention_block_size or 1024  # splash's default block on a TPU
-        step = seconds[remat] * (1 + 0.1 * micro) * (0.95 if block == 512 else 1.0)
-        row = {"remat": remat, "micro_batches": micro, "attention_block_size": layout.model.attention_block_size,
-               "fits": fits.get((remat, micro), True), "compile_seconds": 1.0, "bytes": {"total": 0, "needed": 0}}
+        step = seconds[row["remat"]] * (1 + 0.1 * row["micro_batches"]) * (0.95 if block == 512 else 1.0)
         row["estimate"] = {"xla_seconds": step, "roofline_seconds": step, "xla_mfu": 0.5, "roofline_mfu": 0.5}
         return row
 
-    monkeypatch.setattr(layouts_module, "plan_config", fake_plan)  # what search() calls
+    probed = []
+    monkeypatch.setattr(layouts_module, "plan_config", lambda layout, *a, **k: probed.append(layout) or fake_plan(layout, *a, **k))
+    monkeypatch.setattr(layouts_module, "add_estimate", fake_estimate)
     found = plan_module.search(config, TARGET, list(range(4)), max_layouts=8, report=lambda line: None)
-    tried = [(r["remat"], r["micro_batches"], r["attention_block_size"]) for r in found["rows"]]
-    # save_projections needs 2 micro-batches; the others fit with 1; then blocks for the best.
-    assert tried[:6] == [("save_projections", 1, None), ("save_projections", 2, None), ("offload_projections", 1, None),
-                         ("save_attention", 1, None), ("save_context", 1, None), ("full", 1, None)]
-    assert tried[6:] == [("save_attention", 1, 2048), ("save_attention", 1, 512)]
-    assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_attention", 512)
+    shown = [(r["remat"], r["micro_batches"], r["attention_block_size"], "estimate" in r) for r in found["rows"]]
+    # Bisection over 1, 2, 4, 8, 16: 4 first, then 16/8 or 2/1; refusals shown, unestimated.
+    # (Probes that fit but are not the fewest are not shown: 4 micro-batches for save_attention.)
+    assert shown[:10] == [
+        ("save_projections", 4, None, False), ("save_projections", 8, None, False), ("save_projections", 16, None, True),
+        ("offload_projections", 1, None, False), ("offload_projections", 2, None, False),
+        ("offload_projections", 4, None, True),
+        ("save_attention", 1, None, False), ("save_attention", 2, None, True),
+        ("save_context", 1, None, True), ("full", 1, None, True),
+    ]
+    assert shown[10:] == [("save_context", 1, 2048, True), ("save_context", 1, 512, True)]
+    assert len(probed) == 15  # 3 + 3 + 3 + 2 + 2 probes, then the two blocks: no layout compiled twice
+    assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_context", 512)
 
 
 def test_near_ties_go_to_the_layout_the_estimates_can_see():

@@ -5,28 +5,29 @@ import time
 from typing import Optional
 
 from olmo_eqx.plan.compile import _with
+from olmo_eqx.plan.estimate import add_estimate
 from olmo_eqx.plan.planner import plan_config
 from olmo_eqx.plan.report import format_row
 from olmo_eqx.plan.targets import Target
 
 def _layouts(config, target: Target, batch_shards: int):
-    """Candidate layouts, most memory first within each remat policy: (model changes, micro-batches)."""
+    """The remat policies to try, most memory first, and the micro-batch counts (fewest first)."""
     policies = ["save_projections", "save_attention", "save_context", "full"]
     if target.platform in ("tpu", "gpu"):
         policies.insert(1, "offload_projections")  # host offload: accelerators only
     per_device = config.data.global_batch_size // max(batch_shards, 1)
     micro = [m for m in (1, 2, 4, 8, 16) if per_device and per_device % m == 0] or [1]
-    for remat in policies:
-        for m in micro:
-            yield {"remat": remat}, m
+    return policies, micro
 
 
 def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: bool = True, report=print) -> dict:
     """Try layouts for `target` and name the fastest that fits (by the estimates' step time).
 
-    Per remat policy, the fewest micro-batches that fit; then, for the best, a larger and a
-    smaller attention block. At most `max_layouts` compiles of the step (each layout that fits
-    also costs the estimate's two smaller compiles).
+    Per remat policy, the fewest micro-batches that fit, found by bisection (fitting needs
+    fewer of them the more micro-batches there are): a layout the compiler refuses costs
+    seconds, one that fits its compile; only the fewest that fit gets the estimate's two
+    more compiles. Then, for the best, a larger and a smaller attention block.
+    `max_layouts` bounds the layouts estimated; refusals and probes are not counted.
     """
     if target.chip is None:
         raise SystemExit("+plan.search needs an accelerator target (+plan.target=tpu:... or gpu:...): a chip to fit and a peak")
@@ -34,33 +35,53 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
 
     sizes = dict(zip(MESH_AXES, config.mesh.shape(len(devices))))
     shards = math.prod(sizes[axis] for axis in ShardingRules().batch)  # data x fsdp x expert: the batch shards
-    rows, tried = [], 0
+    rows, estimated = [], 0
     started = time.perf_counter()
 
-    def run(changes: dict, micro: int) -> dict:
-        nonlocal tried
-        tried += 1
-        layout = _with(config, model=changes, micro_batches=micro)
-        row = plan_config(layout, target, devices, estimate=estimate)
+    def show(row: dict) -> dict:
         rows.append(row)
         report(format_row(row, header=len(rows) == 1))
         return row
 
-    for changes, micro in _layouts(config, target, shards):
-        if tried >= max_layouts:
+    def probe(changes: dict, micro: int) -> tuple[dict, object]:
+        layout = _with(config, model=changes, micro_batches=micro)
+        return plan_config(layout, target, devices, estimate=False), layout
+
+    def estimated_row(row: dict, layout) -> dict:
+        nonlocal estimated
+        estimated += 1
+        if estimate:
+            add_estimate(row, layout, devices, target.per_device)
+        return show(row)
+
+    policies, counts = _layouts(config, target, shards)
+    for remat in policies:
+        if estimated >= max_layouts:
             break
-        if any(r["remat"] == changes["remat"] and r["fits"] for r in rows):
-            continue  # this policy already fits with fewer micro-batches
-        run(changes, micro)
+        lo, hi, fitting = 0, len(counts) - 1, None  # bisect for the fewest micro-batches that fit
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            row, layout = probe({"remat": remat}, counts[mid])
+            if row["fits"]:
+                fitting, hi = (row, layout), mid - 1
+            else:
+                show(row)
+                lo = mid + 1
+        if fitting:
+            estimated_row(*fitting)
     best = _best(rows)
     if best and config.data.sequence_length >= 1024:
         from olmo_eqx.models.attention import DEFAULT_BLOCK, SPLASH_BLOCK
 
         base = best["attention_block_size"] or (SPLASH_BLOCK if target.platform == "tpu" else DEFAULT_BLOCK)
         for block in (2 * base, base // 2):
-            if tried >= max_layouts or block < 128 or block > config.data.sequence_length:
+            if estimated >= max_layouts or block < 128 or block > config.data.sequence_length:
                 continue
-            run({"remat": best["remat"], "attention_block_size": block}, best["micro_batches"])
+            row, layout = probe({"remat": best["remat"], "attention_block_size": block}, best["micro_batches"])
+            if row["fits"]:
+                estimated_row(row, layout)
+            else:
+                show(row)
         best = _best(rows)
     return {"rows": rows, "best": best, "search_seconds": time.perf_counter() - started}
 
