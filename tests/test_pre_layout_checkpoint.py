@@ -2,40 +2,30 @@
 every weight, every optimiser leaf, the step, the skip-step statistics, the data position, the
 config and the health record, bit for bit (tests/data/README.md says how it was written)."""
 
-import hashlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
 
-import jax
-import numpy as np
-
 from olmo_eqx.checkpoint import Checkpointer
 from olmo_eqx.data.sampler import LoaderState
-from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.sharding import MeshConfig, make_mesh
-from olmo_eqx.train.optim import OptimConfig
 from olmo_eqx.train.state import sharded_abstract_train_state
 
-DATA = Path(__file__).resolve().parent / "data" / "pre_layout_checkpoint"
-MODEL = ModelConfig(
-    name="pre_layout", d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=8, mlp_hidden=32,
-    vocab_size=64, padded_vocab_size=64, sliding_window=8, max_sequence_length=64,
-)
-OPTIM = OptimConfig(lr=3e-3)
+TEST_DATA = Path(__file__).resolve().parent / "data"
+DATA = TEST_DATA / "pre_layout_checkpoint"
 
 
-def leaf_digests(tree) -> dict:
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            continue
-        array = np.asarray(leaf)
-        out[jax.tree_util.keystr(path)] = {
-            "shape": list(array.shape), "dtype": str(array.dtype),
-            "sha256": hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest(),
-        }
-    return out
+def _writer():
+    """The script that wrote the checkpoint: its model, optimiser and leaf digests, not copies."""
+    spec = importlib.util.spec_from_file_location("write_pre_layout_checkpoint", TEST_DATA / "write_pre_layout_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WRITER = _writer()
+MODEL, OPTIM, leaf_digests = WRITER.MODEL, WRITER.OPTIM, WRITER.leaf_digests
 
 
 def test_checkpoint_written_before_the_layout_change_restores(tmp_path):

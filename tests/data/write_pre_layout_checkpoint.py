@@ -1,5 +1,5 @@
 """Writes tests/data/pre_layout_checkpoint/: a tiny real checkpoint, saved by the code before the
-package layout changed (issue 41), that tests/test_layers.py restores with today's code.
+package layout changed (issue 41), that tests/test_pre_layout_checkpoint.py restores with today's code.
 
     python tests/data/write_pre_layout_checkpoint.py   # at commit 4074dd5, on one CPU device
 
