@@ -63,27 +63,24 @@ def estimate_step(
     from olmo_eqx.models.flops import attention_flops_per_token
 
     model, data = config.model, config.data
-    micro = config.trainer.micro_batches
-    opaque = kernel in ("splash", "cudnn") and model.architecture != "olmo_hybrid"
-    if opaque:  # every layer alike to XLA: plain full-attention layers stand in for each
-        name, unit_layers, units, unit = "layer", 1, model.n_layers, dict(sliding_window=None)
+    if loop_free_cost is not None:  # XLA counted the whole program as it runs: it is the step
+        name, totals = "step", loop_free_cost
+        said = {"the program": loop_free_cost.get("optimal_seconds")}
     else:
-        name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
-    if loop_free_cost is not None:
-        name, micro, units = "step", 1, 1
-        one = two = loop_free_cost  # step_total below: 1 x (the program + 0 x ...)
-    else:
+        micro = config.trainer.micro_batches
+        if kernel in ("splash", "cudnn") and model.architecture != "olmo_hybrid":
+            # Every layer alike to XLA: plain full-attention layers stand in for each.
+            name, unit_layers, units, unit = "layer", 1, model.n_layers, dict(sliding_window=None)
+        else:
+            name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
         unrolled = dict(unit, scan_layers=False, loss_chunk_size=data.sequence_length)
         small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
         one = compile_train_step(_with(small, model=dict(unrolled, n_layers=unit_layers)), devices).cost
         two = compile_train_step(_with(small, model=dict(unrolled, n_layers=2 * unit_layers)), devices).cost
+        totals = {key: micro * (one[key] + (units - 1) * (two[key] - one[key])) for key in one.keys() & two.keys()}
+        said = {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
 
-    def step_total(key: str) -> Optional[float]:
-        if key not in one or key not in two:
-            return None
-        return micro * (one[key] + (units - 1) * (two[key] - one[key]))
-
-    flops, hbm_bytes, xla_seconds = step_total("flops"), step_total("bytes accessed"), step_total("optimal_seconds")
+    flops, hbm_bytes, xla_seconds = (totals.get(key) for key in ("flops", "bytes accessed", "optimal_seconds"))
     # A Pallas or cuDNN attention kernel is opaque to XLA's cost analysis: add its FLOPs
     # (forward 4 of the formula's 12 per context token, again when remat recomputes it).
     kernel_flops = 0.0
@@ -109,10 +106,7 @@ def estimate_step(
         "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
         # What the compiler said, kept when it is unusable: XLA:TPU has answered a negative
         # `optimal_seconds` for large programs (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
-        "xla_optimal_seconds": (
-            {"the program": one.get("optimal_seconds")} if loop_free_cost is not None
-            else {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
-        ),
+        "xla_optimal_seconds": said,
         "estimate_unit": name,
     }
 
