@@ -4,7 +4,7 @@ with one and two layers (or attention cycles) unrolled, extrapolated, and a roof
 import time
 from typing import Optional
 
-from olmo_eqx.plan.compile import _with, compile_train_step
+from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT, _with, compile_train_step
 from olmo_eqx.plan.targets import Chip
 
 
@@ -75,8 +75,10 @@ def estimate_step(
             name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
         unrolled = dict(unit, scan_layers=False, loss_chunk_size=data.sequence_length)
         small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
-        one = compile_train_step(_with(small, model=dict(unrolled, n_layers=unit_layers)), devices).cost
-        two = compile_train_step(_with(small, model=dict(unrolled, n_layers=2 * unit_layers)), devices).cost
+        one, two = (
+            compile_train_step(_with(small, model=dict(unrolled, n_layers=n * unit_layers)), devices, effort=COUNTS_ONLY_EFFORT).cost
+            for n in (1, 2)
+        )
         totals = {key: micro * (one[key] + (units - 1) * (two[key] - one[key])) for key in one.keys() & two.keys()}
         said = {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
 
