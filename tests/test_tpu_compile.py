@@ -15,6 +15,7 @@ import pytest
 
 from olmo_eqx.config import compose_config
 from olmo_eqx.plan import compile_train_step, estimate_step, plan_config
+from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT
 from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh, sharded_abstract_model
 from olmo_eqx.plan.targets import Chip, parse_target, tpu_devices
 
@@ -150,7 +151,9 @@ def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, mo
     """Splash hides attention from XLA, so to XLA a sliding-window layer costs what a full one
     does: the estimate compiles one and two plain layers (not one and two 4-layer cycles), and
     still equals XLA's count of the whole step with no loops (a 4-layer cycle scanned, 2 micro-batches
-    and 2 loss chunks against all unrolled in one), once the kernel's formula FLOPs are set aside."""
+    and 2 loss chunks against all unrolled in one), once the kernel's formula FLOPs are set aside.
+    Its compiles ask for XLA's counts only (the lowest effort); the whole step's, at the
+    compiler's default effort, has the same FLOPs."""
     import olmo_eqx.plan.estimate as estimate_module
 
     looped = compose_config([*TINY, "+model.scan_layers=true", "model.loss_chunk_size=128",
@@ -162,13 +165,13 @@ def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, mo
     )
     layers = []
 
-    def compile_and_note(config, devices):
-        layers.append((config.model.n_layers, config.model.sliding_window))
-        return compile_train_step(config, devices)
+    def compile_and_note(config, devices, *, effort=None):
+        layers.append((config.model.n_layers, config.model.sliding_window, effort))
+        return compile_train_step(config, devices, effort=effort)
 
     monkeypatch.setattr(estimate_module, "compile_train_step", compile_and_note)
     estimate = estimate_step(looped, chips, Chip("test", 1e12, 1e12, 1e12, 1e12), collective_bytes=0.0, kernel="splash")
-    assert layers == [(1, None), (2, None)]
+    assert layers == [(1, None, COUNTS_ONLY_EFFORT), (2, None, COUNTS_ONLY_EFFORT)]
     truth = compile_train_step(flat, chips).cost["flops"]
     assert abs(estimate["flops"] - estimate["kernel_flops"] - truth) <= 0.01 * truth
     assert estimate["estimate_unit"] == "layer"
