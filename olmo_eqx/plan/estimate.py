@@ -106,8 +106,8 @@ def estimate_step(
         # XLA's own cost model, plus the kernel's FLOPs at peak (it does not see them either).
         # (XLA:GPU has no time model: the CPU client's analysis gives none worth the name.)
         "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
-        # What the compiler said, kept when it is unusable: XLA:TPU has answered a negative
-        # `optimal_seconds` for large programs (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
+        # What the compiler said, kept when it is unusable: at its default effort XLA:TPU has
+        # answered a negative `optimal_seconds` (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
         "xla_optimal_seconds": said,
         "estimate_unit": name,
     }
