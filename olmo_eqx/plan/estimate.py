@@ -49,6 +49,8 @@ def estimate_step(
     loss in one chunk (so no loop is left but attention's own). Their difference is one unit;
     the step is micro_batches x (one-unit program + (units - 1) x unit). The optimiser's
     update is then counted once per micro-batch, a small overcount (elementwise, per shard).
+    Both are compiled for XLA's counts only (`COUNTS_ONLY_EFFORT`): a few seconds each where
+    the compiler's default effort takes a minute, with the same FLOPs.
 
     The unit is one layer when attention runs in a kernel XLA cannot see into (splash, cuDNN):
     a sliding-window layer then differs from a full one only inside the kernel, whose FLOPs
