@@ -64,12 +64,12 @@ def pytest_configure(config):
 SLOWEST_FILES = (
     "test_faults.py",  # ~200 s
     "test_pretrain.py",  # ~100 s
+    "test_tpu_compile.py",  # ~65 s since the splash estimate's test
     "test_model_parity.py",
     "test_hybrid_parity.py",
     "test_checkpoint_remote.py",
     "test_trajectory_parity.py",
     "test_anneal.py",
-    "test_tpu_compile.py",
     "test_data_remote.py",
     "test_generate.py",
     "test_lm_eval.py",
