@@ -62,23 +62,30 @@ def pytest_configure(config):
 # the last files handed out are the short ones; files not listed follow, most tests first.
 # Only the order changes: every file still runs whole on one worker, its tests in file order.
 SLOWEST_FILES = (
-    "test_faults.py",  # ~200 s
-    "test_pretrain.py",  # ~100 s
-    "test_model_parity.py",
+    "test_faults.py",  # ~125 s
+    "test_pretrain.py",  # ~95 s
+    "test_checkpoint_remote.py",  # ~70 s
+    "test_tpu_compile.py",  # ~60 s
+    "test_model_parity.py",  # ~60 s
     "test_hybrid_parity.py",
-    "test_checkpoint_remote.py",
-    "test_trajectory_parity.py",
     "test_anneal.py",
-    "test_tpu_compile.py",
+    "test_cli_config.py",
+    "test_trajectory_parity.py",
     "test_data_remote.py",
-    "test_generate.py",
-    "test_lm_eval.py",
-    "test_compare.py",
-    "test_olmo_core_trajectory.py",
-    "test_gap_alarm.py",
-    "test_stages.py",
-    "test_zoo_training.py",
     "test_checkpoint.py",
+    "test_lm_eval.py",
+    "test_scale.py",
+    "test_context_parallel.py",
+    "test_zoo_training.py",
+    "test_generate.py",
+    "test_compare.py",
+    "test_stages.py",
+    "test_moe_parity.py",
+    "test_soup.py",
+    "test_train_step.py",
+    "test_attention.py",
+    "test_expert_parallel.py",
+    "test_olmo_core_trajectory.py",
 )
 
 

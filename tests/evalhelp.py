@@ -3,6 +3,7 @@
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 from clihelp import TINY
@@ -62,11 +63,19 @@ TOY_TASKS = "[toy_qa/rc_0shot,toy_qa/mc_5shot,toy_wino/rc_0shot]"
 
 
 def tiny_run(tmp_path_factory) -> Path:
-    """A 12-step pretrain of the nano model (checkpoints at steps 6 and 12), made once per session."""
+    """A 12-step pretrain of the nano model (checkpoints at steps 6 and 12), made once per session
+    and shared by its xdist workers (in the session's directory, above each worker's own): the
+    first to need it trains it while another waits on the lock. Every user only reads it."""
+    from filelock import FileLock
+
     from olmo_eqx.config import compose_config
     from olmo_eqx.train.loop import train
 
-    run_dir = tmp_path_factory.getbasetemp() / "eval_tiny_run"
-    if not (run_dir / "summary.json").exists():
-        train(compose_config(TINY), run_dir)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    run_dir = root / "eval_tiny_run"
+    with FileLock(str(root / "eval_tiny_run.lock")):
+        if not (run_dir / "summary.json").exists():
+            train(compose_config(TINY), run_dir)
     return run_dir
