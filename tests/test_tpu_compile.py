@@ -216,6 +216,18 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     assert shown[10:] == [("save_context", 1, 2048, True), ("save_context", 1, 512, True)]
     assert len(probed) == 15  # 3 + 3 + 3 + 2 + 2 probes, then the two blocks: no layout compiled twice
     assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_context", 512)
+    # The candidates to measure, fastest first by the estimate, and how they are printed.
+    ranked = [(r["remat"], r["micro_batches"], r["attention_block_size"]) for r in found["ranked"]]
+    assert ranked[:3] == [("save_context", 1, 512), ("save_context", 1, None), ("save_context", 1, 2048)]
+    assert len(ranked) == 7  # every estimated layout that fits
+    from olmo_eqx.plan.report import format_ranked
+
+    printed = format_ranked(found["ranked"]).splitlines()
+    assert printed[2:] == [
+        "  1. model.remat=save_context trainer.micro_batches=1 model.attention_block_size=512   1.066 s (XLA)",
+        "  2. model.remat=save_context trainer.micro_batches=1   1.122 s (XLA)",
+        "  3. model.remat=save_context trainer.micro_batches=1 model.attention_block_size=2048   1.122 s (XLA)",
+    ]
 
 
 def test_near_ties_go_to_the_layout_the_estimates_can_see():

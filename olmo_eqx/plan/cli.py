@@ -11,7 +11,7 @@ from olmo_eqx.plan.compile import target_devices
 from olmo_eqx.plan.estimate import add_estimate
 from olmo_eqx.plan.layouts import search
 from olmo_eqx.plan.planner import plan_config
-from olmo_eqx.plan.report import format_estimate, format_plan
+from olmo_eqx.plan.report import format_estimate, format_plan, format_ranked
 from olmo_eqx.plan.targets import parse_target
 
 
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nsearched {len(result['rows'])} layouts in {result['search_seconds']:.0f} s; ", end="")
         print("none fits" if best is None else f"best: remat {best['remat']}, {best['micro_batches']} micro-batch(es), "
               f"attention block {best['attention_block_size'] or 'auto'}\n\n{format_plan(best)}", flush=True)
+        if len(result["ranked"]) > 1:
+            print(format_ranked(result["ranked"]), flush=True)
     else:
         # The memory plan first: the estimate's two more compiles take as long again.
         result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)

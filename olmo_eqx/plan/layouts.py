@@ -83,7 +83,7 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
             else:
                 show(row)
         best = _best(rows)
-    return {"rows": rows, "best": best, "search_seconds": time.perf_counter() - started}
+    return {"rows": rows, "best": best, "ranked": _ranked(rows), "search_seconds": time.perf_counter() - started}
 
 
 def _step_seconds(row: dict) -> Optional[float]:
@@ -91,6 +91,15 @@ def _step_seconds(row: dict) -> Optional[float]:
     if not row.get("fits") or not est:
         return None
     return est["xla_seconds"] or est["roofline_seconds"]
+
+
+def _ranked(rows: list[dict]) -> list[dict]:
+    """The estimated layouts that fit, fastest first: the candidates to measure on a chip.
+
+    The estimate counts one micro-batch of a one- and a two-layer program, so it cannot see
+    what XLA:TPU rematerialises and copies to fit the whole step: on a v5e the 600m's pick
+    (`full`/4) ran 13.6% slower than the second (`save_context`/8; docs/performance.md)."""
+    return sorted((r for r in rows if _step_seconds(r)), key=_step_seconds)
 
 
 def _best(rows: list[dict]) -> Optional[dict]:

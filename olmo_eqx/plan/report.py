@@ -36,6 +36,24 @@ def format_row(row: dict, header: bool = False) -> str:
     return "\n".join(lines)
 
 
+def format_ranked(ranked: list[dict], top: int = 3) -> str:
+    """The search's fastest layouts by the estimate, to measure on a chip before choosing."""
+    lines = [
+        f"\nthe {min(top, len(ranked))} fastest by the estimate, to measure on the chip before choosing "
+        "(`scripts/measure_step.py` with the same overrides): the estimate does not see what XLA rematerialises "
+        "under memory pressure, and has ranked a slower layout first (docs/performance.md)"
+    ]
+    for i, row in enumerate(ranked[:top], 1):
+        est = row["estimate"]
+        seconds = est["xla_seconds"] or est["roofline_seconds"]
+        lines.append(
+            f"  {i}. model.remat={row['remat']} trainer.micro_batches={row['micro_batches']}"
+            + (f" model.attention_block_size={row['attention_block_size']}" if row["attention_block_size"] else "")
+            + f"   {seconds:.3f} s ({'XLA' if est['xla_seconds'] else 'roofline'})"
+        )
+    return "\n".join(lines)
+
+
 def format_plan(p: dict) -> str:
     lines = [
         f"{p['model']} ({p['parameters']:,} parameters) on {p['target_description']}: {p['devices']} devices"
