@@ -98,7 +98,7 @@ def _ranked(rows: list[dict]) -> list[dict]:
 
     The estimate counts one micro-batch of a one- and a two-layer program, so it cannot see
     what XLA:TPU rematerialises and copies to fit the whole step: on a v5e the 600m's pick
-    (`full`/4) ran 13.6% slower than the second (`save_context`/8; docs/performance.md)."""
+    (`full`/4, 3.421 s) ran 12% slower than the second (`save_context`/8, 3.052 s; docs/performance.md)."""
     return sorted((r for r in rows if _step_seconds(r)), key=_step_seconds)
 
 
