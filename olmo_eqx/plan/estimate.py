@@ -115,6 +115,15 @@ def estimate_step(
     }
 
 
+def step_seconds(row: dict) -> Optional[float]:
+    """A plan's estimated step time, as the search ranks it: XLA's cost model where it answered,
+    else the roofline; None for a plan that does not fit or has no estimate."""
+    est = row.get("estimate")
+    if not row.get("fits") or not est:
+        return None
+    return est["xla_seconds"] or est["roofline_seconds"]
+
+
 def add_estimate(result: dict, config, devices, chip: Chip) -> dict:
     """Add the step-time and MFU estimates (`estimate_step`) to a plan that compiled."""
     started = time.perf_counter()

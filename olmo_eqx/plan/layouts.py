@@ -5,7 +5,7 @@ import time
 from typing import Optional
 
 from olmo_eqx.plan.compile import _with
-from olmo_eqx.plan.estimate import add_estimate
+from olmo_eqx.plan.estimate import add_estimate, step_seconds
 from olmo_eqx.plan.planner import plan_config
 from olmo_eqx.plan.report import format_row
 from olmo_eqx.plan.targets import Target
@@ -86,20 +86,13 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
     return {"rows": rows, "best": best, "ranked": _ranked(rows), "search_seconds": time.perf_counter() - started}
 
 
-def _step_seconds(row: dict) -> Optional[float]:
-    est = row.get("estimate")
-    if not row.get("fits") or not est:
-        return None
-    return est["xla_seconds"] or est["roofline_seconds"]
-
-
 def _ranked(rows: list[dict]) -> list[dict]:
     """The estimated layouts that fit, fastest first: the candidates to measure on a chip.
 
     The estimate counts one micro-batch of a one- and a two-layer program, so it cannot see
     what XLA:TPU rematerialises and copies to fit the whole step: on a v5e the 600m's pick
     (`full`/4, 3.421 s) ran 12% slower than the second (`save_context`/8, 3.052 s; docs/performance.md)."""
-    return sorted((r for r in rows if _step_seconds(r)), key=_step_seconds)
+    return sorted((r for r in rows if step_seconds(r)), key=step_seconds)
 
 
 def _best(rows: list[dict]) -> Optional[dict]:
@@ -110,10 +103,10 @@ def _best(rows: list[dict]) -> Optional[dict]:
     them in HBM, and splash's blocks all tie. Within 1% of the fastest, prefer no host memory,
     then less HBM, then the kernel's default block.
     """
-    timed = [r for r in rows if _step_seconds(r)]
+    timed = [r for r in rows if step_seconds(r)]
     if not timed:
         return next((r for r in rows if r.get("fits")), None)
-    fastest = min(_step_seconds(r) for r in timed)
-    close = [r for r in timed if _step_seconds(r) <= 1.01 * fastest]
+    fastest = min(step_seconds(r) for r in timed)
+    close = [r for r in timed if step_seconds(r) <= 1.01 * fastest]
     used = lambda r, key: r.get("bytes", {}).get(key, 0)  # noqa: E731
     return min(close, key=lambda r: (used(r, "host"), used(r, "needed"), r["attention_block_size"] is not None))

@@ -1,5 +1,6 @@
 """Printing a plan, a search's rows and an estimate."""
 
+from olmo_eqx.plan.estimate import step_seconds
 from olmo_eqx.plan.planner import ACCELERATORS, GIB
 
 # Published MFU figures (MaxText's OLMo 3 reproduction), shown beside the estimates of a plan of
@@ -44,12 +45,10 @@ def format_ranked(ranked: list[dict], top: int = 3) -> str:
         "under memory pressure, and has ranked a slower layout first (docs/performance.md)"
     ]
     for i, row in enumerate(ranked[:top], 1):
-        est = row["estimate"]
-        seconds = est["xla_seconds"] or est["roofline_seconds"]
         lines.append(
             f"  {i}. model.remat={row['remat']} trainer.micro_batches={row['micro_batches']}"
             + (f" model.attention_block_size={row['attention_block_size']}" if row["attention_block_size"] else "")
-            + f"   {seconds:.3f} s ({'XLA' if est['xla_seconds'] else 'roofline'})"
+            + f"   {step_seconds(row):.3f} s ({'XLA' if row['estimate']['xla_seconds'] else 'roofline'})"
         )
     return "\n".join(lines)
 
