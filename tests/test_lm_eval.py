@@ -75,7 +75,7 @@ def samples(setup) -> dict:
     """lm-eval's logged requests and responses of the three toy tasks, from one evaluation.
 
     The task manager indexes only the toy tasks' directory, not the ~14,000 task files lm-eval
-    ships (9 s of YAML parsing; no shipped task is run here). The README's command, which
+    ships (about 6 s of YAML parsing; no shipped task is run here). The README's command, which
     indexes them all as a user's run does, is test_the_readmes_offline_command_runs_the_shipped_task."""
     from lm_eval.tasks import TaskManager
 
