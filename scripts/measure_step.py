@@ -45,6 +45,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "grouped by what they are in the model",
     )
     parser.add_argument("--keep-trace", default="", help="with --profile: also keep the trace's .xplane.pb, gzipped, at this path")
+    parser.add_argument("--keep-hlo", default="", help="also write the compiled step's HLO text, gzipped, at this path")
+    parser.add_argument("--top", type=int, default=15, help="with --profile: how many top ops to print (default 15)")
+    parser.add_argument(
+        "--op-table", default="",
+        help="with --profile: also write every traced op (ms/step, category, origin, result type) here as JSON",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -65,7 +71,10 @@ def _random_batch(config, layout) -> dict:
     return {key: jax.device_put(value, layout) for key, value in batch.items()}
 
 
-def measure(overrides: list[str], steps: int, profile_steps: int = 0, keep_trace: str = "") -> dict:
+def measure(
+    overrides: list[str], steps: int, profile_steps: int = 0, keep_trace: str = "", top: int = 15, op_table_path: str = "",
+    keep_hlo: str = "",
+) -> dict:
     """Compile and run the planned step on the local devices; the figures as a dict."""
     import equinox as eqx
     import jax
@@ -107,6 +116,11 @@ def measure(overrides: list[str], steps: int, profile_steps: int = 0, keep_trace
         print(refusal.details, flush=True)
         return result
     result["compile_seconds"] = time.perf_counter() - started
+    if keep_hlo:
+        import gzip
+
+        with gzip.open(keep_hlo, "wt") as kept:
+            kept.write(step.hlo)
     result["bytes"] = memory_bytes(step.memory)
     b = result["bytes"]
     print(f"compiled in {result['compile_seconds']:.1f}s, per device: arguments {b['arguments'] / GIB:.2f} GiB, "
@@ -148,14 +162,16 @@ def measure(overrides: list[str], steps: int, profile_steps: int = 0, keep_trace
         line += f" | peak in use {result['peak_bytes_in_use'] / GIB:.2f} of {(result['bytes_limit'] or 0) / GIB:.2f} GiB"
     print(line, flush=True)
     if profile_steps:
-        arrays, result["profile"] = _profile(step, batch, arrays, profile_steps, keep_trace)
+        arrays, result["profile"] = _profile(step, batch, arrays, profile_steps, keep_trace, top, op_table_path)
         print(result["profile"], flush=True)
     if not (losses[-1] == losses[-1] and losses[-1] < first_loss):
         raise SystemExit(f"loss went from {first_loss:.4f} to {losses[-1]:.4f}: not finite or not falling")
     return result
 
 
-def _profile(step, batch, arrays, steps: int, keep_trace: str = "") -> tuple[object, str]:
+def _profile(
+    step, batch, arrays, steps: int, keep_trace: str = "", top: int = 15, op_table_path: str = ""
+) -> tuple[object, str]:
     """Trace `steps` more steps; the ops' device time by category and the top ops, as text."""
     import gzip
     import os
@@ -164,7 +180,7 @@ def _profile(step, batch, arrays, steps: int, keep_trace: str = "") -> tuple[obj
 
     import jax
 
-    from olmo_eqx.train.profile import format_profile, leaf_op_names, traced_op_times
+    from olmo_eqx.train.profile import format_profile, leaf_op_names, op_table, traced_op_times
 
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
@@ -181,7 +197,9 @@ def _profile(step, batch, arrays, steps: int, keep_trace: str = "") -> tuple[obj
                 shutil.copyfileobj(source, kept)
     if not op_times:
         return arrays, "profile: no op events in the trace (on CPU set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true)"
-    return arrays, format_profile(op_times, step.hlo, steps)
+    if op_table_path:
+        Path(op_table_path).write_text(json.dumps(op_table(op_times, step.hlo, steps), indent=1))
+    return arrays, format_profile(op_times, step.hlo, steps, top=top)
 
 
 def compare(planned: dict, measured: dict) -> str:
@@ -209,7 +227,7 @@ def compare(planned: dict, measured: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
-    measured = measure(overrides, args.steps, args.profile, args.keep_trace)
+    measured = measure(overrides, args.steps, args.profile, args.keep_trace, args.top, args.op_table, args.keep_hlo)
     if args.json:
         Path(args.json).write_text(json.dumps(measured, indent=2))
     if args.plan:

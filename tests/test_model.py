@@ -76,6 +76,24 @@ def test_fast_attention_matches_reference_and_window_matters(tiny):
     np.testing.assert_allclose(np.asarray(no_window[:, :first]), np.asarray(xla[:, :first]), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rope_by_matmul_is_rope_by_slices(dtype):
+    # The TPU's rotate-half (a signed-permutation matmul, olmo3.ROTATE_BY_MATMUL_ON) against the
+    # sliced form every other platform runs: eagerly the same bits, forward and gradient.
+    from olmo_eqx.models.olmo3 import Rope
+
+    config = get_model_config("olmo3_600m")  # head_dim 80: halves of 40 columns
+    positions = jnp.arange(96)[None]
+    sliced, by_matmul = (Rope(positions, config, yarn=False, platform=p) for p in ("cpu", "tpu"))
+    assert by_matmul.by_matmul and not sliced.by_matmul
+    x = (3 * jax.random.normal(jax.random.key(0), (2, 96, 3, config.head_dim))).astype(dtype)
+    weights = jax.random.normal(jax.random.key(1), x.shape).astype(dtype)
+    assert jnp.array_equal(sliced(x), by_matmul(x))
+    assert not jnp.array_equal(sliced(x), x)  # it rotates something
+    grads = [jax.grad(lambda x: jnp.sum((rope(x) * weights).astype(jnp.float32)))(x) for rope in (sliced, by_matmul)]
+    assert grads[1].dtype == dtype and jnp.array_equal(*grads)
+
+
 def test_logits_cover_the_real_vocab_only(tiny):
     logits = tiny(jnp.zeros((1, 4), jnp.int32))
     assert logits.shape == (1, 4, 300) and logits.dtype == jnp.float32

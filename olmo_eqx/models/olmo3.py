@@ -114,24 +114,78 @@ def rope_inverse_frequencies(config: ModelConfig, *, yarn: bool) -> tuple[np.nda
     return (interpolated * (1 - keep_original) + inv_freq * keep_original).astype(np.float32), scale
 
 
+# Where RoPE's rotate-half runs as a matmul with a signed permutation (`_rotate_half_matrix`)
+# rather than as slices and a concatenation of the head's halves. On a TPU the halves (40
+# columns of an 80-wide head) fill a third of the 128 lanes, and XLA wrote them to memory as
+# padded float32 arrays in every pass: 430 ms of a 3.01 s olmo3_600m step (docs/performance.md).
+# The matmul keeps whole heads, and its product is exact (one +-1 term per output): the two
+# forms agree bitwise eagerly, and under jit up to where XLA fuses a multiply-add (a few
+# elements in a million differ by one bf16 ulp, as between two fusions of the same form).
+ROTATE_BY_MATMUL_ON = ("tpu",)
+
+
+def _rotate_half_matrix(dim: int) -> np.ndarray:
+    """R with x @ R == concatenate([-x[d/2:], x[:d/2]]) (rotate-half)."""
+    half = dim // 2
+    matrix = np.zeros((dim, dim), np.float32)
+    matrix[half + np.arange(half), np.arange(half)] = -1.0
+    matrix[np.arange(half), half + np.arange(half)] = 1.0
+    return matrix
+
+
+def _rotated(x: Array, transpose: bool = False) -> Array:
+    # HIGHEST: float32 operands pass through the MXU unrounded (bf16 ones need one pass anyway).
+    matrix = _rotate_half_matrix(x.shape[-1])
+    matrix = jnp.asarray(matrix.T if transpose else matrix, x.dtype)
+    return jnp.einsum("...d,de->...e", x, matrix, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+
+@jax.custom_vjp
+def _rope_by_matmul(x: Array, cos: Array, sin: Array) -> Array:
+    return (x.astype(jnp.float32) * cos + _rotated(x) * sin).astype(x.dtype)
+
+
+def _rope_by_matmul_forward(x, cos, sin):
+    return _rope_by_matmul(x, cos, sin), (cos, sin, jnp.zeros((), x.dtype))
+
+
+def _rope_by_matmul_backward(residuals, d_out):
+    # What autodiff of the sliced form computes: d_x = d*cos + rotate-half transposed (d*sin),
+    # in float32, rounded once to x's dtype.
+    cos, sin, like = residuals
+    d = d_out.astype(jnp.float32)
+    d_x = (d * cos + _rotated(d * sin, transpose=True)).astype(like.dtype)
+    return d_x, jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+_rope_by_matmul.defvjp(_rope_by_matmul_forward, _rope_by_matmul_backward)
+
+
 class Rope(eqx.Module):
-    """cos/sin tables for one sequence layout, shared by every layer of one attention kind."""
+    """cos/sin tables for one sequence layout, shared by every layer of one attention kind.
+
+    `platform`: where the program runs (default: JAX's backend), which picks how rotate-half
+    is computed (`ROTATE_BY_MATMUL_ON`); the values are the same either way."""
 
     cos: Float[Array, "#batch seq head_dim"]
     sin: Float[Array, "#batch seq head_dim"]
+    by_matmul: bool = eqx.field(static=True)
 
-    def __init__(self, positions: Int[Array, "#batch seq"], config: ModelConfig, *, yarn: bool):
+    def __init__(self, positions: Int[Array, "#batch seq"], config: ModelConfig, *, yarn: bool, platform: Optional[str] = None):
         inv_freq, scale = rope_inverse_frequencies(config, yarn=yarn)
         angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
         angles = jnp.concatenate([angles, angles], axis=-1)
         self.cos = jnp.cos(angles) * scale
         self.sin = jnp.sin(angles) * scale
+        self.by_matmul = (platform or jax.default_backend()) in ROTATE_BY_MATMUL_ON
 
     def __call__(self, x: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+        cos, sin = self.cos[:, :, None, :], self.sin[:, :, None, :]
+        if self.by_matmul:
+            return _rope_by_matmul(x, cos, sin)
         xf = x.astype(jnp.float32)
         first, second = jnp.split(xf, 2, axis=-1)
         rotated = jnp.concatenate([-second, first], axis=-1)
-        cos, sin = self.cos[:, :, None, :], self.sin[:, :, None, :]
         return (xf * cos + rotated * sin).astype(x.dtype)
 
 
@@ -359,8 +413,9 @@ class OLMo(CausalLM):
         # Pinned here: otherwise the gather may inherit the embedding table's layout
         # (d_model over "fsdp") and every device would compute the whole global batch.
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
-        rope_sliding = Rope(positions, config, yarn=False)
-        rope_full = Rope(positions, config, yarn=config.yarn is not None)
+        platform = target_platform(getattr(constrain, "mesh", None))
+        rope_sliding = Rope(positions, config, yarn=False, platform=platform)
+        rope_full = Rope(positions, config, yarn=config.yarn is not None, platform=platform)
         sliding_mask = AttentionMask(config.sliding_window, segment_ids)
         full_mask = AttentionMask(None, segment_ids)
 
@@ -382,7 +437,7 @@ class OLMo(CausalLM):
 
         n_cycles = config.n_layers // config.cycle_length
         cycles = jax.tree.map(lambda a: a.reshape(n_cycles, config.cycle_length, *a.shape[1:]), self.blocks)
-        x, _ = over_layers(run_cycle, x, cycles, scanned=config.scanned_on(target_platform(getattr(constrain, "mesh", None))))
+        x, _ = over_layers(run_cycle, x, cycles, scanned=config.scanned_on(platform))
         return self.final_norm(x)
 
     def logits(

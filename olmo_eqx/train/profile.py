@@ -247,6 +247,22 @@ def time_by_category(op_times: dict[str, float], hlo: str) -> tuple[dict[str, fl
     return totals, categories
 
 
+_RESULT_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([a-z][\w\-]*)\(")
+
+
+def op_table(op_times: dict[str, float], hlo: str, steps: int) -> list[dict]:
+    """Every traced op, slowest first: ms per step, category, origin, opcode and result type
+    (the whole table behind `format_profile`'s top ops, for comparing two traces)."""
+    _, categories = time_by_category(op_times, hlo)
+    types = {m.group(1): (m.group(3), m.group(2)) for line in hlo.splitlines() if (m := _RESULT_TYPE.match(line))}
+    rows = []
+    for name, ns in sorted(op_times.items(), key=lambda item: -item[1]):
+        category, where = categories.get(name.lstrip("%"), ("other", ""))
+        opcode, result = types.get(name.lstrip("%"), ("", ""))
+        rows.append(dict(op=name, ms_per_step=ns / steps / 1e6, category=category, where=where, opcode=opcode, result=result))
+    return rows
+
+
 def format_profile(op_times: dict[str, float], hlo: str, steps: int, top: int = 15) -> str:
     """The time per step by category, then the top ops with their category and origin."""
     by_category, categories = time_by_category(op_times, hlo)
