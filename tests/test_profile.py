@@ -7,7 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from olmo_eqx.train.profile import format_profile, leaf_op_names, op_categories, time_by_category
+from olmo_eqx.train.profile import format_profile, leaf_op_names, op_categories, op_table, time_by_category
 
 
 def _module(path, name: str, source: str):
@@ -50,3 +50,9 @@ def test_ops_are_named_by_the_file_that_made_them(tmp_path):
     assert sum(by_category.values()) == sum(times.values())
     text = format_profile(times, hlo, steps=1, top=3)
     assert "loss/head" in text and text.count("\n") >= 5
+    # The whole table behind the top ops: every op, slowest first, with its opcode and type.
+    table = op_table(times, hlo, steps=2)
+    assert [row["op"] for row in table] == sorted(times, key=lambda name: -times[name])
+    assert table[0]["ms_per_step"] == times[table[0]["op"]] / 2 / 1e6
+    assert all(row["opcode"] and row["result"] for row in table)
+    assert {row["category"] for row in table} == kinds

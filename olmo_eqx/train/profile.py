@@ -247,14 +247,16 @@ def time_by_category(op_times: dict[str, float], hlo: str) -> tuple[dict[str, fl
     return totals, categories
 
 
-_RESULT_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([a-z][\w\-]*)\(")
-
-
 def op_table(op_times: dict[str, float], hlo: str, steps: int) -> list[dict]:
     """Every traced op, slowest first: ms per step, category, origin, opcode and result type
     (the whole table behind `format_profile`'s top ops, for comparing two traces)."""
     _, categories = time_by_category(op_times, hlo)
-    types = {m.group(1): (m.group(3), m.group(2)) for line in hlo.splitlines() if (m := _RESULT_TYPE.match(line))}
+    types = {}
+    for line in hlo.splitlines():
+        if (match := _INSTRUCTION.match(line)) is not None:
+            name, opcode, _ = match.groups()
+            # The result type sits between "=" and the opcode (a tuple's holds spaces).
+            types[name] = (opcode, line.split("=", 1)[1].split(f" {opcode}(", 1)[0].strip())
     rows = []
     for name, ns in sorted(op_times.items(), key=lambda item: -item[1]):
         category, where = categories.get(name.lstrip("%"), ("other", ""))
