@@ -176,9 +176,6 @@ def fused_head_loss(
         d_logits = jnp.exp(logits - lse[..., None]) * (w * (1.0 + 2.0 * z_loss_weight * lse[..., None]))
         d_logits = jnp.where(counted, d_logits - jnp.where(onehot, w, 0.0), 0.0).astype(h.dtype)
         d_logits = constrain(d_logits, ("batch", "sequence", "act_vocab"))
-        import os
-        if os.environ.get("OLMO_EQX_EXPERIMENT") == "dlogits_barrier":
-            d_logits = jax.lax.optimization_barrier(d_logits)
         d_h = jnp.einsum("bcv,dv->bcd", d_logits, head)
         d_head = d_head + jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
         return (ce + sums.ce, z + sums.z, d_head), d_h
