@@ -2,7 +2,8 @@
 
     python scripts/measure_step.py model=olmo3_600m model.compute_dtype=bfloat16 \\
         data.sequence_length=4096 data.global_batch_size=16 trainer.micro_batches=2 \\
-        [--plan plan.json] [--steps 8] [--json measured.json] [--profile 3]
+        [--plan plan.json] [--steps 8] [--json measured.json] [--profile 3 [--top 30] [--op-table ops.json]]
+        [--keep-hlo step.hlo.gz] [--keep-trace trace.xplane.pb.gz]
 
 takes the overrides `python -m olmo_eqx.plan` takes, compiles the same train step with the
 planner's own code (`olmo_eqx.plan.compile_train_step`) for every local device (`jax.devices()`:
@@ -17,7 +18,9 @@ executable on random tokens. It prints:
 - with `--profile N`: N more steps traced with `jax.profiler`, and the device time of the
   traced XLA ops per step, grouped by what they are in the model (projections, attention
   kernel, loss/head, optimizer update, copies/transposes, collectives, norms/elementwise),
-  then the top ops with where they come from (`olmo_eqx.train.profile`);
+  then the top ops with where they come from (`olmo_eqx.train.profile`); `--op-table` writes
+  every op as JSON, `--keep-hlo` the compiled step (what `scripts/read_profile.py` reads a
+  kept trace against);
 - with `--plan` (the planner's `+plan.json=` for the same overrides, made where no chip is, e.g.
   `+plan.target=tpu:v5e:1x1`): planned beside measured, with ratios.
 

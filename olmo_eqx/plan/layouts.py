@@ -91,7 +91,8 @@ def _ranked(rows: list[dict]) -> list[dict]:
 
     The estimate counts one micro-batch of a one- and a two-layer program, so it cannot see
     what XLA:TPU rematerialises and copies to fit the whole step: on a v5e the 600m's pick
-    (`full`/4, 3.421 s) ran 12% slower than the second (`save_context`/8, 3.052 s; docs/performance.md)."""
+    (`full`/4, 3.421 s) ran 12% slower than the second (`save_context`/8, 3.052 s; docs/performance.md),
+    measured before RoPE's matmul form; it still ranks `full`/4 first."""
     return sorted((r for r in rows if step_seconds(r)), key=step_seconds)
 
 
