@@ -56,3 +56,35 @@ def test_ops_are_named_by_the_file_that_made_them(tmp_path):
     assert table[0]["ms_per_step"] == times[table[0]["op"]] / 2 / 1e6
     assert all(row["opcode"] and row["result"] for row in table)
     assert {row["category"] for row in table} == kinds
+
+
+def test_a_kept_trace_reads_back_as_measured(tmp_path):
+    # scripts/measure_step.py --profile on CPU (the suite's 8 fake devices) keeps its trace and compiled step; then
+    # scripts/read_profile.py (the reader for any trainer's trace, MaxText's too) finds the
+    # same ops with the same times in them.
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+    measured, read = tmp_path / "measured.json", tmp_path / "read.json"
+    run = subprocess.run(
+        [sys.executable, str(scripts / "measure_step.py"), "model=olmo3_tiny", "data.sequence_length=64",
+         "data.global_batch_size=8", "--steps", "2", "--profile", "2", "--top", "3",
+         "--keep-trace", str(tmp_path / "trace.xplane.pb.gz"), "--keep-hlo", str(tmp_path / "step.hlo.gz"),
+         "--op-table", str(measured)],
+        env=env, capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = subprocess.run(
+        [sys.executable, str(scripts / "read_profile.py"), "--xplane", str(tmp_path / "trace.xplane.pb.gz"),
+         "--hlo", str(tmp_path / "step.hlo.gz"), "--steps", "2", "--top", "3", "--table", str(read)],
+        check=True, env=env, capture_output=True, text=True,
+    )
+    assert "by what the op is in the model:" in result.stdout and "top 3 ops:" in result.stdout
+    want, got = json.loads(measured.read_text()), json.loads(read.read_text())
+    assert want and got == want
+    assert {"projections", "loss/head"} <= {row["category"] for row in got}
