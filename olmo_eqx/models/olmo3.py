@@ -117,10 +117,11 @@ def rope_inverse_frequencies(config: ModelConfig, *, yarn: bool) -> tuple[np.nda
 # Where RoPE's rotate-half runs as a matmul with a signed permutation (`_rotate_half_matrix`)
 # rather than as slices and a concatenation of the head's halves. On a TPU the halves (40
 # columns of an 80-wide head) fill a third of the 128 lanes, and XLA wrote them to memory as
-# padded float32 arrays in every pass: 430 ms of a 3.01 s olmo3_600m step (docs/performance.md).
-# The matmul keeps whole heads, and its product is exact (one +-1 term per output): the two
-# forms agree bitwise eagerly, and under jit up to where XLA fuses a multiply-add (a few
-# elements in a million differ by one bf16 ulp, as between two fusions of the same form).
+# padded float32 arrays in every pass: 430 ms of a 3.01 s olmo3_600m step; with the matmul,
+# 2.565 s (docs/performance.md). The matmul keeps whole heads, and its product is exact (one +-1
+# term per output): on a v5e the two forms gave the same bits, forward and gradient, under jit;
+# XLA:CPU may fuse a multiply-add differently between them (one bf16 ulp, a few elements in a
+# million), which is why only the TPU takes this form.
 ROTATE_BY_MATMUL_ON = ("tpu",)
 
 
