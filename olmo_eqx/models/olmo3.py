@@ -120,8 +120,9 @@ def rope_inverse_frequencies(config: ModelConfig, *, yarn: bool) -> tuple[np.nda
 # padded float32 arrays in every pass: 430 ms of a 3.01 s olmo3_600m step; with the matmul,
 # 2.565 s (docs/performance.md). The matmul keeps whole heads, and its product is exact (one +-1
 # term per output): on a v5e the two forms gave the same bits, forward and gradient, under jit;
-# XLA:CPU may fuse a multiply-add differently between them (one bf16 ulp, a few elements in a
-# million), which is why only the TPU takes this form.
+# under XLA:CPU's jit they can differ where it fuses a multiply-add (one bf16 ulp, a few elements
+# in a million). CPU and GPU keep the sliced form: not measured there, and a CPU pays the
+# matmul's FLOPs.
 ROTATE_BY_MATMUL_ON = ("tpu",)
 
 
