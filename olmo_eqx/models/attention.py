@@ -48,6 +48,13 @@ def target_platform(mesh=None) -> str:
     return jax.default_backend()
 
 
+def program_platform(constrain) -> str:
+    """`target_platform` of the mesh a model's activation sharding (`constrain`) pins to: what
+    every layer that picks a form by platform (attention's kernel, RoPE's rotation, unrolled
+    layers) must agree on, so that a plan compiled for a TPU from a CPU host is the chip's program."""
+    return target_platform(getattr(constrain, "mesh", None))
+
+
 def default_block_size(platform: Optional[str] = None) -> int:
     """The attention kernels' block: `CPU_BLOCK` on CPU, `DEFAULT_BLOCK` on accelerators."""
     return CPU_BLOCK if (platform or jax.default_backend()) == "cpu" else DEFAULT_BLOCK
@@ -411,7 +418,7 @@ def attend(
     kernel. Kernels the compiler cannot partition (splash) also run per shard.
     """
     mesh = getattr(constrain, "mesh", None)
-    platform = target_platform(mesh)
+    platform = program_platform(constrain)
     implementation = resolve_implementation(implementation, q.dtype, platform)
     # Splash tiles in multiples of 128 lanes whatever the platform; the blockwise kernel's
     # best block depends on it (cache-sized on CPU).

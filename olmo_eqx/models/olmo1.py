@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import HEADS, KV_HEADS, AttentionMask, attend
+from .attention import HEADS, KV_HEADS, AttentionMask, attend, program_platform
 from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
@@ -176,7 +176,7 @@ class OLMo1(CausalLM):
         else:
             positions = constrain(positions, ("batch", "sequence"))
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
-        rope = Rope(positions, config, yarn=config.yarn is not None)
+        rope = Rope(positions, config, yarn=config.yarn is not None, platform=program_platform(constrain))
         mask = AttentionMask(None, segment_ids)
 
         def apply_block(block: Block, x):

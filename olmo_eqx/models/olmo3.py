@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import HEADS, KV_HEADS, AttentionMask, attend, sequence_sharded, target_platform
+from .attention import HEADS, KV_HEADS, AttentionMask, attend, program_platform, sequence_sharded
 from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
@@ -148,15 +148,15 @@ def _rope_by_matmul(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def _rope_by_matmul_forward(x, cos, sin):
-    return _rope_by_matmul(x, cos, sin), (cos, sin, jnp.zeros((), x.dtype))
+    return _rope_by_matmul(x, cos, sin), (cos, sin)
 
 
 def _rope_by_matmul_backward(residuals, d_out):
     # What autodiff of the sliced form computes: d_x = d*cos + rotate-half transposed (d*sin),
-    # in float32, rounded once to x's dtype.
-    cos, sin, like = residuals
+    # in float32, rounded once to x's dtype (the output's, so d_out's).
+    cos, sin = residuals
     d = d_out.astype(jnp.float32)
-    d_x = (d * cos + _rotated(d * sin, transpose=True)).astype(like.dtype)
+    d_x = (d * cos + _rotated(d * sin, transpose=True)).astype(d_out.dtype)
     return d_x, jnp.zeros_like(cos), jnp.zeros_like(sin)
 
 
@@ -415,7 +415,7 @@ class OLMo(CausalLM):
         # Pinned here: otherwise the gather may inherit the embedding table's layout
         # (d_model over "fsdp") and every device would compute the whole global batch.
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
-        platform = target_platform(getattr(constrain, "mesh", None))
+        platform = program_platform(constrain)
         rope_sliding = Rope(positions, config, yarn=False, platform=platform)
         rope_full = Rope(positions, config, yarn=config.yarn is not None, platform=platform)
         sliding_mask = AttentionMask(config.sliding_window, segment_ids)

@@ -42,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import gated_deltanet
-from .attention import AttentionMask
+from .attention import AttentionMask, program_platform
 from .base import CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
@@ -196,9 +196,9 @@ def stack_layers(config: ModelConfig, kind: str) -> list[int]:
     return [i for i in range(config.n_layers) if config.layer_pattern[i % config.cycle_length] == kind]
 
 
-def identity_rope(positions: Int[Array, "#batch seq"], config: ModelConfig) -> Rope:
+def identity_rope(positions: Int[Array, "#batch seq"], config: ModelConfig, platform: Optional[str] = None) -> Rope:
     """A Rope that changes nothing (cos 1, sin 0): NoPE through OLMo 3's attention unchanged."""
-    rope = Rope(positions, config, yarn=False)
+    rope = Rope(positions, config, yarn=False, platform=platform)
     return eqx.tree_at(lambda r: (r.cos, r.sin), rope, (jnp.ones_like(rope.cos), jnp.zeros_like(rope.sin)))
 
 
@@ -246,7 +246,11 @@ class OLMoHybrid(CausalLM):
         else:
             positions = constrain(positions, ("batch", "sequence"))
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
-        rope = Rope(positions, config, yarn=config.yarn is not None) if config.use_rope else identity_rope(positions, config)
+        platform = program_platform(constrain)
+        rope = (
+            Rope(positions, config, yarn=config.yarn is not None, platform=platform)
+            if config.use_rope else identity_rope(positions, config, platform)
+        )
         mask = AttentionMask(None, segment_ids)
         documents = None if segment_ids is None else gated_deltanet.document_index(segment_ids)
 

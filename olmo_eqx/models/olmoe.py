@@ -65,7 +65,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .attention import AttentionMask
+from .attention import AttentionMask, program_platform
 from .base import AUX_OBJECTIVE, CausalLM, Constrain, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
@@ -478,7 +478,7 @@ class MoELM(CausalLM):
         else:
             positions = constrain(positions, ("batch", "sequence"))
         x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
-        rope = Rope(positions, config, yarn=config.yarn is not None)
+        rope = Rope(positions, config, yarn=config.yarn is not None, platform=program_platform(constrain))
         mask = AttentionMask(None, segment_ids)
 
         def apply_block(block: MoEBlock, x):
