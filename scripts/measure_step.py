@@ -183,7 +183,7 @@ def _profile(
 
     import jax
 
-    from olmo_eqx.train.profile import format_profile, leaf_op_names, op_table, traced_op_times
+    from olmo_eqx.train.profile import format_op_table, leaf_op_names, op_table, traced_op_times
 
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
@@ -200,9 +200,10 @@ def _profile(
                 shutil.copyfileobj(source, kept)
     if not op_times:
         return arrays, "profile: no op events in the trace (on CPU set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true)"
+    table = op_table(op_times, step.hlo, steps)
     if op_table_path:
-        Path(op_table_path).write_text(json.dumps(op_table(op_times, step.hlo, steps), indent=1))
-    return arrays, format_profile(op_times, step.hlo, steps, top=top)
+        Path(op_table_path).write_text(json.dumps(table, indent=1))
+    return arrays, format_op_table(table, steps, top)
 
 
 def compare(planned: dict, measured: dict) -> str:

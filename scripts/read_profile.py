@@ -17,16 +17,16 @@ import gzip
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 
-def _newest(path: Path, pattern: str, key) -> Path:
+def _find(path: Path, pattern: str, key) -> Path | None:
+    """`path` itself, or the file under it matching `pattern` that `key` ranks last (None: none)."""
     if path.is_file():
         return path
-    found = sorted(path.rglob(pattern), key=key)
-    if not found:
-        raise SystemExit(f"no {pattern} under {path}")
-    return found[-1]
+    found = sorted(path.rglob(pattern), key=key) if path.is_dir() else []
+    return found[-1] if found else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,22 +41,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", default="", help="also write every op (ms/step, category, origin, shape) here as JSON")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    from olmo_eqx.train.profile import format_profile, leaf_op_names, op_table, traced_op_times
+    from olmo_eqx.train.profile import format_op_table, leaf_op_names, op_table, traced_op_times
 
-    xplane = _newest(Path(args.xplane), "*.xplane.pb", os.path.getmtime)
-    hlo_path = _newest(Path(args.hlo), "*after_optimizations.txt", os.path.getsize)
+    xplane = _find(Path(args.xplane), "*.xplane.pb", os.path.getmtime)  # the newest trace
+    hlo_path = _find(Path(args.hlo), "*after_optimizations.txt", os.path.getsize)  # the step: the biggest module
+    for given, found, what in ((args.xplane, xplane, "a .xplane.pb"), (args.hlo, hlo_path, "an *after_optimizations.txt")):
+        if found is None:
+            parser.error(f"{given} is neither a file nor a folder holding {what}")
     hlo = gzip.decompress(hlo_path.read_bytes()).decode() if hlo_path.suffix == ".gz" else hlo_path.read_text()
-    if xplane.suffix == ".gz":
-        plain = xplane.with_suffix("")
-        plain.write_bytes(gzip.decompress(xplane.read_bytes()))
-        xplane = plain
     print(f"trace {xplane}\nprogram {hlo_path}")
-    op_times = traced_op_times(xplane, leaf_op_names(hlo))
+    with tempfile.TemporaryDirectory() as directory:
+        if xplane.suffix == ".gz":  # the reader wants a plain file; the user's folder stays as it was
+            plain = Path(directory) / "trace.xplane.pb"
+            plain.write_bytes(gzip.decompress(xplane.read_bytes()))
+            xplane = plain
+        op_times = traced_op_times(xplane, leaf_op_names(hlo))
     if not op_times:
-        raise SystemExit("no op events in the trace")
-    print(format_profile(op_times, hlo, args.steps, top=args.top))
+        parser.error(f"no op of {hlo_path} has events in {args.xplane}: a trace of another program, or a CPU trace "
+                     "taken without XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true")
+    table = op_table(op_times, hlo, args.steps)
+    print(format_op_table(table, args.steps, args.top))
     if args.table:
-        Path(args.table).write_text(json.dumps(op_table(op_times, hlo, args.steps), indent=1))
+        Path(args.table).write_text(json.dumps(table, indent=1))
 
 
 if __name__ == "__main__":

@@ -88,3 +88,11 @@ def test_a_kept_trace_reads_back_as_measured(tmp_path):
     want, got = json.loads(measured.read_text()), json.loads(read.read_text())
     assert want and got == want
     assert {"projections", "loss/head"} <= {row["category"] for row in got}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["measured.json", "read.json", "step.hlo.gz", "trace.xplane.pb.gz"]
+    # A path that holds no trace is named, with exit status 2.
+    missing = subprocess.run(
+        [sys.executable, str(scripts / "read_profile.py"), "--xplane", str(tmp_path / "nothing"), "--hlo",
+         str(tmp_path / "step.hlo.gz"), "--steps", "2"],
+        env=env, capture_output=True, text=True,
+    )
+    assert missing.returncode == 2 and "nothing is neither a file nor a folder holding a .xplane.pb" in missing.stderr

@@ -267,14 +267,20 @@ def op_table(op_times: dict[str, float], hlo: str, steps: int) -> list[dict]:
 
 def format_profile(op_times: dict[str, float], hlo: str, steps: int, top: int = 15) -> str:
     """The time per step by category, then the top ops with their category and origin."""
-    by_category, categories = time_by_category(op_times, hlo)
-    total = sum(op_times.values()) or 1.0
-    lines = [f"traced op time: {total / steps / 1e6:.1f} ms/step over {steps} steps", "by what the op is in the model:"]
-    for category, ns in sorted(by_category.items(), key=lambda item: -item[1]):
-        if ns:
-            lines.append(f"  {ns / steps / 1e6:9.2f} ms  {ns / total:6.1%}  {category}")
+    return format_op_table(op_table(op_times, hlo, steps), steps, top)
+
+
+def format_op_table(table: list[dict], steps: int, top: int = 15) -> str:
+    """`format_profile` from an `op_table` already made (so it is made once when both are wanted)."""
+    total = sum(row["ms_per_step"] for row in table) or 1.0
+    by_category = dict.fromkeys(CATEGORIES, 0.0)
+    for row in table:
+        by_category[row["category"]] += row["ms_per_step"]
+    lines = [f"traced op time: {total:.1f} ms/step over {steps} steps", "by what the op is in the model:"]
+    for category, ms in sorted(by_category.items(), key=lambda item: -item[1]):
+        if ms:
+            lines.append(f"  {ms:9.2f} ms  {ms / total:6.1%}  {category}")
     lines.append(f"top {top} ops:")
-    for name, ns in sorted(op_times.items(), key=lambda item: -item[1])[:top]:
-        category, where = categories.get(name.lstrip("%"), ("other", ""))
-        lines.append(f"  {ns / steps / 1e6:9.2f} ms  {ns / total:6.1%}  {name:28} {category:24} {where}")
+    for row in table[:top]:
+        lines.append(f"  {row['ms_per_step']:9.2f} ms  {row['ms_per_step'] / total:6.1%}  {row['op']:28} {row['category']:24} {row['where']}")
     return "\n".join(lines)
