@@ -85,3 +85,16 @@ def test_fused_head_loss_equals_autodiff_of_the_chunked_loss(chunk_size):
     # The sums are metrics: no gradient flows through them.
     grad_of_ce = jax.grad(lambda h: fused(h, head)[1].ce)(hidden)
     assert not np.any(np.asarray(grad_of_ce))
+    # The planner's counting programs run the same chunks with no loop (XLA's cost analysis
+    # counts a loop's body once): same values, and no while loop left to count.
+    from olmo_eqx.train.loss import unrolled_loss_chunks
+
+    grad_fn = jax.jit(jax.value_and_grad(fused, argnums=(0, 1), has_aux=True))
+    with unrolled_loss_chunks():
+        unrolled = jax.jit(jax.value_and_grad(fused, argnums=(0, 1), has_aux=True))
+        (flat, _), flat_grads = unrolled(hidden, head)
+        assert "while" not in unrolled.lower(hidden, head).as_text()
+    assert ("while" in grad_fn.lower(hidden, head).as_text()) == (chunk_size < hidden.shape[1])
+    np.testing.assert_allclose(flat, got, rtol=1e-6)
+    for a, b in zip(flat_grads, got_grads):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)

@@ -107,10 +107,11 @@ def main(argv: list[str] | None = None) -> None:
             if result.get("xla_cost_loop_free") is not None:
                 print("\nestimating the step time (from this program: it has no loops, so no more compiles) ...", flush=True)
             else:
-                print("\nestimating the step time (two more compiles: one and two layers unrolled, or attention cycles "
-                      "where XLA sees the attention; +plan.estimate=false skips them) ...", flush=True)
+                print("\nestimating the step time (more compiles: one and two layers unrolled, or attention cycles "
+                      "where XLA sees the attention, and the once-per-step update; +plan.estimate=false skips them) ...",
+                      flush=True)
             add_estimate(result, config, devices, target.per_device)
-            print(format_estimate(result), flush=True)
+            print(format_estimate(result) if result["estimate"] else f"warning: {result['warnings'][-1]}", flush=True)
     if options.json:
         import json
 

@@ -93,29 +93,9 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
     default, which is what the chip runs and what the memory plan must read."""
     import equinox as eqx
     import jax
-    import jax.numpy as jnp
 
-    from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh
-    from olmo_eqx.train.schedules import make_schedule
-    from olmo_eqx.train.state import sharded_abstract_train_state
-    from olmo_eqx.train.step import make_train_step
-
-    mesh = make_mesh(config.mesh, devices)
-    rules = ShardingRules()
-    state = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
-    layout = batch_sharding(mesh, rules)
-    shape = (config.data.global_batch_size, config.data.sequence_length)
-    batch = {
-        "input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout),
-        "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout),
-    }
-    # Document masking (stage 3) hands the model segment ids, and positions when they restart.
-    if config.data.document_masking:
-        batch["segment_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
-    if config.data.reset_positions_per_document:
-        batch["positions"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
-    schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
-    step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=config.trainer.micro_batches).step
+    mesh, rules, state, batch, train_step = _abstract_step(config, devices)
+    step = train_step.step
 
     # eqx.filter_jit would treat ShapeDtypeStruct leaves as static: jit the array part instead.
     arrays, static = eqx.partition(state, _is_abstract)
@@ -146,6 +126,70 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
     if _progress:
         _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
     return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+
+
+def _abstract_step(config, devices):
+    """The mesh, rules, abstract sharded state and batch of `config` on `devices`, and its train step."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh
+    from olmo_eqx.train.schedules import make_schedule
+    from olmo_eqx.train.state import sharded_abstract_train_state
+    from olmo_eqx.train.step import make_train_step
+
+    mesh = make_mesh(config.mesh, devices)
+    rules = ShardingRules()
+    state = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+    layout = batch_sharding(mesh, rules)
+    shape = (config.data.global_batch_size, config.data.sequence_length)
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout),
+        "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout),
+    }
+    # Document masking (stage 3) hands the model segment ids, and positions when they restart.
+    if config.data.document_masking:
+        batch["segment_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
+    if config.data.reset_positions_per_document:
+        batch["positions"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout)
+    schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
+    train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=config.trainer.micro_batches)
+    return mesh, rules, state, batch, train_step
+
+
+def once_per_step_cost(config, devices, *, effort: Optional[float] = COUNTS_ONLY_EFFORT) -> dict:
+    """XLA's cost analysis of the work `config`'s step does once whatever its micro-batches
+    (the weights' cast, the gradient norm, AdamW's update, the new state: the train step's
+    `once_per_step`), compiled on its own for abstract float32 gradients (nothing allocated),
+    and the per-device bytes of those gradients ("gradient bytes")."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    _, _, state, _, train_step = _abstract_step(config, devices)
+    arrays, static = eqx.partition(state, _is_abstract)
+    params = eqx.filter(state.model, _is_abstract)
+    grads = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
+        if jnp.issubdtype(p.dtype, jnp.floating) else None,
+        params, is_leaf=_is_abstract,
+    )
+
+    def once(grads, arrays):
+        weights, (new_state, metrics) = train_step.once_per_step(grads, eqx.combine(arrays, static))
+        return weights, eqx.filter(new_state, eqx.is_array), metrics
+
+    global _compiles
+    _compiles += 1
+    if _progress:
+        _progress(f"  compile {_compiles}: the once-per-step update of {config.model.n_layers} layers (XLA's counts only) ...")
+    started = time.perf_counter()
+    options = None if effort is None else {"exec_time_optimization_effort": effort}
+    compiled = jax.jit(once, donate_argnums=(0, 1)).lower(grads, arrays).compile(compiler_options=options)
+    cost = _cost_analysis(compiled)
+    if _progress:
+        _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
+    return {**cost, "gradient bytes": float(_per_device_bytes(grads))}
 
 
 def memory_bytes(memory) -> dict:

@@ -4,7 +4,7 @@ with one and two layers (or attention cycles) unrolled, extrapolated, and a roof
 import time
 from typing import Optional
 
-from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT, _with, compile_train_step
+from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT, _with, compile_train_step, once_per_step_cost
 from olmo_eqx.plan.targets import Chip
 
 
@@ -38,6 +38,16 @@ def _attention_recomputed(remat: str) -> bool:
     return remat not in ("none", "save_projections", "save_attention", "save_context", "offload_projections")
 
 
+def kernel_mxu_fill(model, chip: Chip) -> float:
+    """The share of a TPU's matrix units an attention kernel's matmuls can fill: both of them
+    (q k^T over head_dim, p v into head_dim) hold head_dim on one side of the MXU's square
+    array, so a narrower head leaves the rest idle. On a v5e (128 x 128) splash's traced time
+    matched it: head_dim 80 ran at 62% of the peak (0.625 filled), 64 at 48% (0.5;
+    docs/performance.md). 1 where the chip's array is not known (GPUs, TPU7x)."""
+    width = chip.mxu_width
+    return min(1.0, model.head_dim / width) if width else 1.0
+
+
 def estimate_step(
     config, devices, chip: Chip, collective_bytes: float, kernel: str, loop_free_cost: Optional[dict] = None
 ) -> dict:
@@ -46,17 +56,29 @@ def estimate_step(
     XLA's cost analysis counts a while loop's body once, whatever its trip count: the layer
     scan, the loss chunks and the micro-batch loop. Two more compiles give what it cannot:
     the model with one repeating unit and with two, unrolled, on one micro-batch, with the
-    loss in one chunk (so no loop is left but attention's own). Their difference is one unit;
-    the step is micro_batches x (one-unit program + (units - 1) x unit). The optimiser's
-    update is then counted once per micro-batch, a small overcount (elementwise, per shard).
-    Both are compiled for XLA's counts only (`COUNTS_ONLY_EFFORT`): a few seconds each where
-    the compiler's default effort takes a minute, with the same FLOPs.
+    loss's chunks unrolled too (`unrolled_loss_chunks`: no loop is left but attention's own).
+    Their difference is one unit; the step is micro_batches x (one-unit program + (units - 1)
+    x unit). Both are compiled for XLA's counts only (`COUNTS_ONLY_EFFORT`): a few seconds
+    each where the compiler's default effort takes a minute, with the same FLOPs. (The loss
+    in one chunk instead, as before, held a micro-batch's whole float32 logits: 13 GB for
+    the 190m's 8 x 4096 tokens, which XLA:TPU refused on a v5e, and which it priced as
+    rematerialised where the chunked step is not.)
 
     The unit is one layer when attention runs in a kernel XLA cannot see into (splash, cuDNN):
     a sliding-window layer then differs from a full one only inside the kernel, whose FLOPs
     are added from the formula, so to XLA every layer is alike. Otherwise it is one attention
     cycle (OLMo 3: 3 sliding + 1 full; OLMo-Hybrid: its layer pattern). One and two layers
     compile in about a quarter of the time of one and two 4-layer cycles.
+
+    What a step does once (the weights' cast, the norm, AdamW's update) each of those programs
+    holds too, so the extrapolation counts it once per micro-batch: one more compile of that
+    part alone (`once_per_step_cost`, elementwise, seconds) takes the extra copies off. What
+    only the micro-batch loop does, adding each micro-batch's gradients into the float32 sum,
+    none of them holds: it is counted as its bytes (the sum read and written per micro-batch)
+    at the chip's HBM bandwidth.
+
+    An opaque attention kernel's FLOPs come from the formula; on a TPU they run at the share
+    of the MXU a head fills (`kernel_mxu_fill`: head_dim 64 on v5e's 128 x 128 arrays, half).
 
     `loop_free_cost`: the cost analysis of the plan's own program when it holds no while loop
     (one micro-batch, layers unrolled, the loss in one chunk: XLA counted everything once, as
@@ -75,14 +97,26 @@ def estimate_step(
             name, unit_layers, units, unit = "layer", 1, model.n_layers, dict(sliding_window=None)
         else:
             name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
-        unrolled = dict(unit, scan_layers=False, loss_chunk_size=data.sequence_length)
+        from olmo_eqx.train.loss import unrolled_loss_chunks
+
         small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
-        one, two = (
-            compile_train_step(_with(small, model=dict(unrolled, n_layers=n * unit_layers)), devices, effort=COUNTS_ONLY_EFFORT).cost
-            for n in (1, 2)
-        )
+        with unrolled_loss_chunks():
+            one, two = (
+                compile_train_step(_with(small, model=dict(unit, scan_layers=False, n_layers=n * unit_layers)), devices,
+                                   effort=COUNTS_ONLY_EFFORT).cost
+                for n in (1, 2)
+            )
         totals = {key: micro * (one[key] + (units - 1) * (two[key] - one[key])) for key in one.keys() & two.keys()}
         said = {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
+        if micro > 1:
+            once = once_per_step_cost(config, devices)
+            for key in totals.keys() & once.keys():
+                totals[key] -= (micro - 1) * once[key]
+            summed = 2 * once["gradient bytes"] * micro  # the float32 sum, read and written
+            totals["bytes accessed"] = totals.get("bytes accessed", 0.0) + summed
+            if totals.get("optimal_seconds", 0.0) > 0:
+                totals["optimal_seconds"] += summed / chip.hbm_bandwidth
+            said["once per step"] = once.get("optimal_seconds")
 
     flops, hbm_bytes, xla_seconds = (totals.get(key) for key in ("flops", "bytes accessed", "optimal_seconds"))
     # A Pallas or cuDNN attention kernel is opaque to XLA's cost analysis: add its FLOPs
@@ -92,8 +126,9 @@ def estimate_step(
         tokens = data.global_batch_size * data.sequence_length / len(devices)
         per_token = attention_flops_per_token(model, data.sequence_length)
         kernel_flops = tokens * per_token * (16 / 12 if _attention_recomputed(model.remat) else 1.0)
+    kernel_s = kernel_flops / (chip.peak_bf16_flops * kernel_mxu_fill(model, chip))
+    compute_s = (flops or 0.0) / chip.peak_bf16_flops + kernel_s
     flops = (flops or 0.0) + kernel_flops
-    compute_s = flops / chip.peak_bf16_flops
     memory_s = (hbm_bytes or 0.0) / chip.hbm_bandwidth
     network_s = collective_bytes / chip.ici_bandwidth
     roofline = max(compute_s, memory_s, network_s)
@@ -105,9 +140,10 @@ def estimate_step(
         "roofline_seconds": roofline,
         "roofline_bound": bound,
         "roofline_terms": {"compute": compute_s, "hbm": memory_s, "interconnect": network_s},
-        # XLA's own cost model, plus the kernel's FLOPs at peak (it does not see them either).
+        # XLA's own cost model, plus the kernel's time (it does not see it either).
         # (XLA:GPU has no time model: the CPU client's analysis gives none worth the name.)
-        "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_flops / chip.peak_bf16_flops,
+        "xla_seconds": None if not xla_seconds or xla_seconds < 0 else xla_seconds + kernel_s,
+        "kernel_seconds": kernel_s,
         # What the compiler said, kept when it is unusable: at its default effort XLA:TPU has
         # answered a negative `optimal_seconds` (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
         "xla_optimal_seconds": said,
@@ -126,11 +162,21 @@ def step_seconds(row: dict) -> Optional[float]:
 
 def add_estimate(result: dict, config, devices, chip: Chip) -> dict:
     """Add the step-time and MFU estimates (`estimate_step`) to a plan that compiled."""
+    from olmo_eqx.plan.compile import CompileRefused
+
     started = time.perf_counter()
     collective_bytes = float(sum(t["bytes"] for t in result["collectives"].values()))
-    result["estimate"] = est = estimate_step(
-        config, devices, chip, collective_bytes, result["attention_kernel"], result.get("xla_cost_loop_free")
-    )
+    try:
+        result["estimate"] = est = estimate_step(
+            config, devices, chip, collective_bytes, result["attention_kernel"], result.get("xla_cost_loop_free")
+        )
+    except CompileRefused as refusal:
+        # The layout fits, but a one- or two-unit program of one micro-batch at the lowest
+        # effort did not (XLA:TPU plans it with less care): no estimate rather than no search.
+        result["estimate"] = None
+        result["warnings"].append(f"no step-time estimate: the compiler refused its counts-only program ({refusal})")
+        result["estimate_seconds"] = time.perf_counter() - started
+        return result
     for name in ("xla_seconds", "roofline_seconds"):
         seconds = est[name]
         est[name.replace("seconds", "mfu")] = (

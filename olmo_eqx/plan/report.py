@@ -121,7 +121,8 @@ def format_estimate(p: dict) -> str:
         f" -> {est['roofline_seconds']:.3f} s per step ({est['roofline_bound']}-bound), MFU {100 * est['roofline_mfu']:.1f}%",
     ]
     if est["xla_seconds"]:
-        lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step, MFU {100 * est['xla_mfu']:.1f}%")
+        kernel = f" (of it the attention kernel {est['kernel_seconds']:.3f} s)" if est.get("kernel_seconds") else ""
+        lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step{kernel}, MFU {100 * est['xla_mfu']:.1f}%")
     else:
         raw = est.get("xla_optimal_seconds") or {}
         said = ", ".join(f"{k} {v:.3f} s" for k, v in raw.items() if v is not None) or "nothing"

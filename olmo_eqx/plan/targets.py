@@ -35,16 +35,20 @@ class Chip:
     hbm_bandwidth: float  # per chip, bytes/s
     ici_bandwidth: float  # per chip, bidirectional, bytes/s
     devices_per_chip: int = 1
+    # The side of its matrix units' systolic array (a TPU's MXU), where the docs give it: a
+    # matmul whose inner dimension is narrower fills that fraction of it (`plan.estimate`).
+    mxu_width: Optional[int] = None
 
 
 # Cloud TPU docs (docs.cloud.google.com/tpu/docs/{v5e,v5p,v6e,tpu7x}); H100/H200 from NVIDIA's
-# datasheets (SXM: 989.5 TFLOP/s dense bf16; NVLink 900 GB/s).
+# datasheets (SXM: 989.5 TFLOP/s dense bf16; NVLink 900 GB/s). MXU sides: 128 x 128 ("System
+# architecture", for v5e and v5p), 256 x 256 (the v6e page); TPU7x's page gives none.
 CHIPS = {
     # v5e: 16 GiB, of which a program gets 15.75 (a v5e's own `memory_stats()["bytes_limit"]`, and
     # XLA:TPU's "available HBM (15.75G)" when it refuses one), measured on the chip.
-    "v5e": Chip("TPU v5e", 197e12, 15.75 * GIB, 819 * GB, 400 * GB),
-    "v5p": Chip("TPU v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB),
-    "v6e": Chip("TPU v6e", 918e12, 32 * GB, 1640 * GB, 800 * GB),
+    "v5e": Chip("TPU v5e", 197e12, 15.75 * GIB, 819 * GB, 400 * GB, mxu_width=128),
+    "v5p": Chip("TPU v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, mxu_width=128),
+    "v6e": Chip("TPU v6e", 918e12, 32 * GB, 1640 * GB, 800 * GB, mxu_width=256),
     "tpu7x": Chip("TPU7x (Ironwood)", 2307e12, 192 * GIB, 7380 * GB, 1200 * GB, devices_per_chip=2),
     "h100": Chip("H100 SXM", 989.5e12, 80 * GB, 3350 * GB, 900 * GB),
     "h200": Chip("H200 SXM", 989.5e12, 141 * GB, 4800 * GB, 900 * GB),
@@ -69,7 +73,7 @@ class Target:
             return None
         n = self.chip.devices_per_chip
         c = self.chip
-        return Chip(c.name, c.peak_bf16_flops / n, c.hbm_bytes / n, c.hbm_bandwidth / n, c.ici_bandwidth / n)
+        return Chip(c.name, c.peak_bf16_flops / n, c.hbm_bytes / n, c.hbm_bandwidth / n, c.ici_bandwidth / n, mxu_width=c.mxu_width)
 
     def describe(self) -> str:
         if self.platform == "cpu":

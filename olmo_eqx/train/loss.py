@@ -9,6 +9,8 @@ their global count. With gradient accumulation each micro-batch contributes
 `sums / global_count`, and the micro-batch gradients add up to exactly the full-batch one.
 """
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -18,6 +20,22 @@ from jaxtyping import Array, Float, Int
 
 from ..models.base import Constrain, unconstrained
 from ..models.olmo3 import dense
+
+
+# Whether `fused_head_loss` unrolls its loop over chunks when traced. Training never does
+# (the loop holds one chunk's logits at a time); the planner's counts-only programs do,
+# because XLA's cost analysis counts a loop body once (`olmo_eqx.plan.estimate`).
+_UNROLL_CHUNKS = contextvars.ContextVar("unroll_loss_chunks", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_loss_chunks():
+    """Within: training losses traced here run their chunks unrolled (same values, no loop)."""
+    token = _UNROLL_CHUNKS.set(True)
+    try:
+        yield
+    finally:
+        _UNROLL_CHUNKS.reset(token)
 
 
 class LossSums(NamedTuple):
@@ -187,7 +205,9 @@ def fused_head_loss(
             (ce, z, d_head), d_hidden = chunk_pass(head, init, (hidden, labels, weights))
         else:
             xs = tuple(_chunks(x, n_chunks, size) for x in (hidden, labels, weights))
-            (ce, z, d_head), d_chunks = jax.lax.scan(functools.partial(chunk_pass, head), init, xs)
+            (ce, z, d_head), d_chunks = jax.lax.scan(
+                functools.partial(chunk_pass, head), init, xs, unroll=_UNROLL_CHUNKS.get() or 1
+            )
             d_hidden = jnp.moveaxis(d_chunks, 0, 1).reshape(batch, n_chunks * size, d_model)[:, :length]
         return (ce + z_loss_weight * z, ce, z), (d_hidden, d_head)
 

@@ -162,7 +162,9 @@ def make_train_step(
     """Build `train_step(state, batch) -> (state, metrics)`; `state` is donated (don't reuse it).
 
     `train_step.step` is the same step unjitted, as `step(batch, state)`: what the memory
-    planner lowers for abstract shapes.
+    planner lowers for abstract shapes. `train_step.once_per_step(grads, state)` is the part
+    of it that runs once whatever the micro-batches (the weights' cast, the update), unjitted,
+    for the planner's estimate to count apart.
 
     The schedule is an input of the compiled step, not constants in it: steps that differ only
     in their schedule (an LR sweep's jobs, a longer run, an anneal) compile once, and within a process
@@ -181,7 +183,7 @@ def make_train_step(
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1")
-    jitted, step = _compiled_train_step(optim_config.without_peak_lr(), mesh, rules, micro_batches)
+    jitted, step, once_per_step = _compiled_train_step(optim_config.without_peak_lr(), mesh, rules, micro_batches)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         # filter_jit donates every argument but the first: the batch and the schedule go first,
@@ -189,12 +191,14 @@ def make_train_step(
         return jitted((batch, schedule), state)
 
     train_step.step = lambda batch, state: step((batch, schedule), state)
+    train_step.once_per_step = lambda grads, state: once_per_step(grads, state, schedule)
     return train_step
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules: ShardingRules, micro_batches: int):
-    """The jitted step `(batch, schedule), state -> (state, metrics)` and its unjitted body."""
+    """The jitted step `(batch, schedule), state -> (state, metrics)`, its unjitted body, and
+    the body's once-per-step part (`once_per_step`, for the planner)."""
     optimizer = make_optimizer(optim_config)
     z_weight = float(optim_config.z_loss_weight)
 
@@ -245,6 +249,12 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
             )
             (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, xs)
 
+        return finish(state, grads, sums, aux, count, schedule)
+
+    def finish(state: TrainState, grads, sums: LossSums, aux: dict, count, schedule: Schedule) -> tuple[TrainState, Metrics]:
+        """What a step does once, whatever its micro-batches: the norm, AdamW's update, the
+        skip-step decision and the new state, from the float32 gradients of the whole batch."""
+        params, static = eqx.partition(state.model, eqx.is_inexact_array)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         # The update that takes the state to step s + 1 is update number s + 1: OLMo-core's
@@ -279,7 +289,14 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
         }
         return new_state, metrics
 
-    return eqx.filter_jit(step, donate="all-except-first"), step
+    def once_per_step(grads, state: TrainState, schedule: Schedule):
+        """The step's work that does not repeat per micro-batch (the weights' cast included),
+        for the planner to count apart (`olmo_eqx.plan.estimate`): the scalars are zeros."""
+        params, _ = eqx.partition(state.model, eqx.is_inexact_array)
+        zero = jnp.zeros((), jnp.float32)
+        return compute_weights(params, state.model), finish(state, grads, LossSums(zero, zero, zero), {}, zero, schedule)
+
+    return eqx.filter_jit(step, donate="all-except-first"), step, once_per_step
 
 
 @functools.lru_cache(maxsize=16)
