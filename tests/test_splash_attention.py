@@ -163,3 +163,8 @@ def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_f
     fused = lambda seq: splash._kernel(seq, 2, None, 128, True).tree_flatten()[1]["block_sizes"].use_fused_bwd_kernel  # noqa: E731
     assert fused(128 * splash.FUSED_BACKWARD_MAX_KEY_BLOCKS)
     assert not fused(128 * (splash.FUSED_BACKWARD_MAX_KEY_BLOCKS + 1))
+    # What the planner's estimate asks, as splash_attention pads and blocks a sequence: OLMo
+    # 3's 4096 tokens in 1024-token blocks fuse, in 512-token blocks (8 key blocks) do not; a
+    # short sequence is one clipped block.
+    assert splash.fused_backward(4096, 1024) and not splash.fused_backward(4096, 512)
+    assert splash.fused_backward(300, 1024) and not splash.fused_backward(65536, 1024)

@@ -37,6 +37,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def fused_backward(seq: int, block_size: int) -> bool:
+    """Whether the backward pass of a `seq`-token sequence in `block_size` blocks runs as one
+    fused kernel (see _kernel), as `splash_attention` pads and blocks it."""
+    block = min(block_size, _round_up(seq, LANES))
+    return _round_up(seq, block) // block <= FUSED_BACKWARD_MAX_KEY_BLOCKS
+
+
 @functools.lru_cache(maxsize=64)
 def _kernel(
     seq: int, heads: int, sliding_window: Optional[int], block: int, interpret: bool, q_seq_shards: int = 1
@@ -55,7 +62,7 @@ def _kernel(
     # It writes one partial dq per key block and sums them after, so it holds that many copies
     # of dq: fine at 4 (4096 tokens in 1024-token blocks, what was measured), not at a long
     # context's 64, which keeps the separate dq kernel.
-    fused = seq // block <= FUSED_BACKWARD_MAX_KEY_BLOCKS
+    fused = fused_backward(seq, block)
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,

@@ -125,7 +125,18 @@ def estimate_step(
     if kernel in ("splash", "cudnn"):
         tokens = data.global_batch_size * data.sequence_length / len(devices)
         per_token = attention_flops_per_token(model, data.sequence_length)
-        kernel_flops = tokens * per_token * (16 / 12 if _attention_recomputed(model.remat) else 1.0)
+        recomputed = _attention_recomputed(model.remat)
+        kernel_flops = tokens * per_token * (16 / 12 if recomputed else 1.0)
+        if kernel == "splash":
+            from olmo_eqx.models.attention import SPLASH_BLOCK
+            from olmo_eqx.models.splash import fused_backward
+
+            if not fused_backward(data.sequence_length, model.attention_block_size or SPLASH_BLOCK):
+                # The formula's count stands for the fused backward, where the kernel's MXU
+                # share was checked on the chip: 5 matmuls (q k^T again, p^T dO, dO v^T, dk,
+                # dq). Its separate dq kernel computes q k^T and dO v^T once more: 7.
+                forward = 2 * (2 if recomputed else 1)  # q k^T and p v, once or twice
+                kernel_flops *= (forward + 7) / (forward + 5)
     kernel_s = kernel_flops / (chip.peak_bf16_flops * kernel_mxu_fill(model, chip))
     compute_s = (flops or 0.0) / chip.peak_bf16_flops + kernel_s
     flops = (flops or 0.0) + kernel_flops

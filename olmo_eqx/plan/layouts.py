@@ -89,10 +89,9 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
 def _ranked(rows: list[dict]) -> list[dict]:
     """The estimated layouts that fit, fastest first: the candidates to measure on a chip.
 
-    The estimate counts one micro-batch of a one- and a two-layer program, so it cannot see
-    what XLA:TPU rematerialises and copies to fit the whole step: on a v5e the 600m's pick
-    (`full`/4, 3.421 s) ran 12% slower than the second (`save_context`/8, 3.052 s; docs/performance.md),
-    measured before RoPE's matmul form; it still ranks `full`/4 first."""
+    The estimate missed ten layouts measured on a v5e by -7% to +9% (docs/performance.md,
+    "The estimate against the chip"), more than some of the gaps between layouts: a step
+    measured with `scripts/measure_step.py` is what settles the top few."""
     return sorted((r for r in rows if step_seconds(r)), key=step_seconds)
 
 
