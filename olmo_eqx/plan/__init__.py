@@ -21,10 +21,12 @@ allocated and no chip is needed.
   `attention_impl=auto` resolved to *for the target*.
 - With an accelerator target, an **estimate** of the step time and MFU (`+plan.estimate=false`
   skips it): XLA's cost analysis counts a loop's body once, so the step's FLOPs, HBM bytes and
-  the compiler's own time (`optimal_seconds`) come from two more compiles, of the model with
+  the compiler's own time (`optimal_seconds`) come from more compiles, of the model with
   one and two layers unrolled (one layer = the difference; attention cycles where XLA sees
-  the attention), extrapolated to all layers and micro-batches; attention run by a kernel XLA cannot see into (splash, cuDNN) is
-  added from the model's FLOPs formula. Two estimates: the compiler's, and a roofline (the
+  the attention), extrapolated to all layers and micro-batches, less the once-per-step
+  update counted once (its own compile); attention run by a kernel XLA cannot see into
+  (splash, cuDNN) is added from the model's FLOPs formula, on a TPU at the share of the MXU
+  its heads fill. Two estimates: the compiler's, and a roofline (the
   slowest of FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at interconnect
   bandwidth; the chip's published peaks). Neither is a measurement.
 - `+plan.search=true` tries layouts (remat policies, micro-batches, attention blocks) and

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(result["ranked"]) > 1:
             print(format_ranked(result["ranked"]), flush=True)
     else:
-        # The memory plan first: the estimate's two more compiles take as long again.
+        # The memory plan first: the estimate's compiles take as long again.
         result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)
         print(format_plan(result), flush=True)
         if estimate and target.chip and not result.get("refused"):

@@ -25,7 +25,7 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
 
     Per remat policy, the fewest micro-batches that fit, found by bisection (fitting needs
     fewer of them the more micro-batches there are): a layout the compiler refuses costs
-    seconds, one that fits its compile; only the fewest that fit gets the estimate's two
+    seconds, one that fits its compile; only the fewest that fit gets the estimate's
     more compiles. Then, for the best, a larger and a smaller attention block.
     `max_layouts` bounds the layouts estimated; refusals and probes are not counted.
     """
