@@ -16,6 +16,7 @@ import pytest
 from olmo_eqx.config import compose_config
 from olmo_eqx.plan import compile_train_step, estimate_step, plan_config
 from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT, once_per_step_cost
+from olmo_eqx.train.loss import unrolled_loss_chunks
 from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh, sharded_abstract_model
 from olmo_eqx.plan.targets import Chip, parse_target, tpu_devices
 
@@ -126,7 +127,7 @@ def test_a_step_too_big_for_the_chip_is_refused_with_the_compilers_message():
 def test_the_estimate_counts_every_loop_iteration():
     """XLA counts a loop body once; the estimate's extrapolation from one and two unrolled
     cycles must equal XLA's count of the same step with no loops at all (3 cycles unrolled,
-    one micro-batch, one loss chunk), here on fake CPU devices where compiling is quick, and
+    one micro-batch, the loss's chunks unrolled), here on fake CPU devices where compiling is quick, and
     with full attention only (OLMo 2's block: a cycle is one layer)."""
     devices = jax.devices()[:4]
     looped = compose_config(["model=olmo3_tiny", "model.sliding_window=null", "model.n_layers=3", "+model.scan_layers=true",
@@ -134,12 +135,13 @@ def test_the_estimate_counts_every_loop_iteration():
                              "data.global_batch_size=8", "trainer.micro_batches=2"])
     flat = dataclasses.replace(
         looped,
-        model=looped.model.replace(scan_layers=False, loss_chunk_size=128),
+        model=looped.model.replace(scan_layers=False),
         trainer=dataclasses.replace(looped.trainer, micro_batches=1),
     )
     chip = Chip("test", 1e12, 1e12, 1e12, 1e12)
     estimate = estimate_step(looped, devices, chip, collective_bytes=0.0, kernel="blockwise")
-    truth = compile_train_step(flat, devices).cost["flops"]
+    with unrolled_loss_chunks():  # the same loss chunks, with no loop
+        truth = compile_train_step(flat, devices).cost["flops"]
     counted_once = compile_train_step(looped, devices).cost["flops"]
     print(f"XLA FLOPs: loops counted once {counted_once:.4g}, no loops {truth:.4g}, extrapolated {estimate['flops']:.4g}")
     assert counted_once < 0.6 * truth  # what the estimate corrects
@@ -155,7 +157,7 @@ def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, mo
     """Splash hides attention from XLA, so to XLA a sliding-window layer costs what a full one
     does: the estimate compiles one and two plain layers (not one and two 4-layer cycles), and
     still equals XLA's count of the whole step with no loops (a 4-layer cycle scanned, 2 micro-batches
-    and 2 loss chunks against all unrolled in one), once the kernel's formula FLOPs are set aside.
+    and 2 loss chunks against all unrolled), once the kernel's formula FLOPs are set aside.
     Its compiles ask for XLA's counts only (the lowest effort); the whole step's, at the
     compiler's default effort, has the same FLOPs."""
     import olmo_eqx.plan.estimate as estimate_module
@@ -164,7 +166,7 @@ def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, mo
                              "trainer.micro_batches=2"])
     flat = dataclasses.replace(
         looped,
-        model=looped.model.replace(scan_layers=False, loss_chunk_size=256),
+        model=looped.model.replace(scan_layers=False),
         trainer=dataclasses.replace(looped.trainer, micro_batches=1),
     )
     layers = []
@@ -176,7 +178,8 @@ def test_with_splash_the_estimate_extrapolates_from_one_and_two_layers(chips, mo
     monkeypatch.setattr(estimate_module, "compile_train_step", compile_and_note)
     estimate = estimate_step(looped, chips, Chip("test", 1e12, 1e12, 1e12, 1e12), collective_bytes=0.0, kernel="splash")
     assert layers == [(1, None, COUNTS_ONLY_EFFORT), (2, None, COUNTS_ONLY_EFFORT)]
-    truth = compile_train_step(flat, chips).cost["flops"]
+    with unrolled_loss_chunks():
+        truth = compile_train_step(flat, chips).cost["flops"]
     assert abs(estimate["flops"] - estimate["kernel_flops"] - truth) <= 0.01 * truth
     assert estimate["estimate_unit"] == "layer"
 
