@@ -107,6 +107,13 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
     model = config.model
     what = (f"{model.n_layers} layers, remat {model.remat}, {config.trainer.micro_batches} micro-batch(es) of "
             f"{config.data.global_batch_size // config.trainer.micro_batches} x {config.data.sequence_length}")
+    compiled = _compile(jax.jit(array_step, donate_argnums=1).lower(batch, arrays), what, effort)
+    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+
+
+def _compile(lowered, what: str, effort: Optional[float]):
+    """Compile `lowered`, saying what and how long (`_progress`); the compiler's out-of-memory
+    refusal becomes `CompileRefused`. `effort`: as for `compile_train_step`."""
     global _compiles
     _compiles += 1
     if effort is not None:
@@ -116,7 +123,7 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
     started = time.perf_counter()
     options = None if effort is None else {"exec_time_optimization_effort": effort}
     try:
-        compiled = jax.jit(array_step, donate_argnums=1).lower(batch, arrays).compile(compiler_options=options)
+        compiled = lowered.compile(compiler_options=options)
     except Exception as e:
         if (message := _refusal(e)) is not None:
             if _progress:
@@ -125,7 +132,7 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
         raise
     if _progress:
         _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
-    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+    return compiled
 
 
 def _abstract_step(config, devices):
@@ -179,16 +186,8 @@ def once_per_step_cost(config, devices, *, effort: Optional[float] = COUNTS_ONLY
         weights, (new_state, metrics) = train_step.once_per_step(grads, eqx.combine(arrays, static))
         return weights, eqx.filter(new_state, eqx.is_array), metrics
 
-    global _compiles
-    _compiles += 1
-    if _progress:
-        _progress(f"  compile {_compiles}: the once-per-step update of {config.model.n_layers} layers (XLA's counts only) ...")
-    started = time.perf_counter()
-    options = None if effort is None else {"exec_time_optimization_effort": effort}
-    compiled = jax.jit(once, donate_argnums=(0, 1)).lower(grads, arrays).compile(compiler_options=options)
-    cost = _cost_analysis(compiled)
-    if _progress:
-        _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
+    lowered = jax.jit(once, donate_argnums=(0, 1)).lower(grads, arrays)
+    cost = _cost_analysis(_compile(lowered, f"the once-per-step update of {config.model.n_layers} layers", effort))
     return {**cost, "gradient bytes": float(_per_device_bytes(grads))}
 
 

@@ -26,7 +26,7 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
     Per remat policy, the fewest micro-batches that fit, found by bisection (fitting needs
     fewer of them the more micro-batches there are): a layout the compiler refuses costs
     seconds, one that fits its compile; only the fewest that fit gets the estimate's
-    more compiles. Then, for the best, a larger and a smaller attention block.
+    compiles. Then, for the best, a larger and a smaller attention block.
     `max_layouts` bounds the layouts estimated; refusals and probes are not counted.
     """
     if target.chip is None:
@@ -89,7 +89,7 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
 def _ranked(rows: list[dict]) -> list[dict]:
     """The estimated layouts that fit, fastest first: the candidates to measure on a chip.
 
-    The estimate missed ten layouts measured on a v5e by -7% to +9% (docs/performance.md,
+    The estimate missed eleven layouts measured on a v5e by -7% to +10% (docs/performance.md,
     "The estimate against the chip"), more than some of the gaps between layouts: a step
     measured with `scripts/measure_step.py` is what settles the top few."""
     return sorted((r for r in rows if step_seconds(r)), key=step_seconds)

@@ -14,6 +14,7 @@ per *device* as JAX sees them: a TPU7x chip shows as two devices (its two Tensor
 chip as one (megacore).
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -71,9 +72,11 @@ class Target:
         """The chip's figures divided over the devices JAX shows for it."""
         if self.chip is None:
             return None
-        n = self.chip.devices_per_chip
-        c = self.chip
-        return Chip(c.name, c.peak_bf16_flops / n, c.hbm_bytes / n, c.hbm_bandwidth / n, c.ici_bandwidth / n, mxu_width=c.mxu_width)
+        n, c = self.chip.devices_per_chip, self.chip
+        return dataclasses.replace(
+            c, peak_bf16_flops=c.peak_bf16_flops / n, hbm_bytes=c.hbm_bytes / n,
+            hbm_bandwidth=c.hbm_bandwidth / n, ici_bandwidth=c.ici_bandwidth / n,
+        )
 
     def describe(self) -> str:
         if self.platform == "cpu":
