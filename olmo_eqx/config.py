@@ -365,7 +365,11 @@ def check_across_groups(config: Config) -> None:
         raise ConfigError("; ".join(bad))
     batch, micro = config.data.global_batch_size, config.trainer.micro_batches
     if batch % micro:
-        raise ConfigError(f"data.global_batch_size={batch} is not divisible by trainer.micro_batches={micro}")
+        choices = [m for m in range(1, batch + 1) if batch % m == 0]
+        raise ConfigError(
+            f"data.global_batch_size={batch} is not divisible by trainer.micro_batches={micro}: "
+            f"choose trainer.micro_batches from {choices} (or a global batch that {micro} divides)"
+        )
     horizon = config.schedule.total_steps or config.trainer.steps
     if config.schedule.warmup_steps >= horizon:
         raise ConfigError(

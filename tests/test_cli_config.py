@@ -119,7 +119,7 @@ def test_a_model_added_to_the_zoo_composes_after_earlier_composes(monkeypatch):
 def test_post_init_and_cross_group_errors_name_the_keys():
     with pytest.raises(ConfigError, match="model"):
         compose_config(["model.n_heads=3"])  # n_heads not a multiple of n_kv_heads
-    with pytest.raises(ConfigError, match="data.global_batch_size=8 .* trainer.micro_batches=3"):
+    with pytest.raises(ConfigError, match=r"data.global_batch_size=8 .* trainer.micro_batches=3: choose trainer.micro_batches from \[1, 2, 4, 8\]"):
         compose_config(["trainer.micro_batches=3"])
     with pytest.raises(ConfigError, match="schedule.warmup_steps=20"):
         compose_config(["trainer.steps=20"])
