@@ -26,8 +26,9 @@ import dataclasses
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import NoReturn, Optional
 
 import yaml
 
@@ -275,7 +276,7 @@ def jobset_manifest(launch: Launch) -> dict:
                 "image": launch.image,
                 "command": container_command(launch),
                 "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
-                "resources": {"limits": {"google.com/tpu": tpu.chips_per_gke_node}},
+                "resources": {"limits": {"google.com/tpu": str(tpu.chips_per_gke_node)}},
             }
         ],
     }
