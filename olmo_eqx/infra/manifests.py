@@ -311,7 +311,9 @@ def jobset_manifest(launch: Launch) -> dict:
     }
 
 
-DEFAULT_SKYPILOT_SETUP = "pip install -c constraints.txt -e '.[tpu]'"
+# google-auth: the hosts' credentials for gs:// (a TPU VM's service account), which olmo_eqx
+# uses when it is installed and otherwise goes anonymous.
+DEFAULT_SKYPILOT_SETUP = "pip install -c constraints.txt -e '.[tpu]' google-auth"
 
 
 def skypilot_task(launch: Launch) -> dict:
