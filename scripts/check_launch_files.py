@@ -4,9 +4,10 @@ parser. Installs nothing.
 
     python scripts/check_launch_files.py [--xpk-python PATH] [--sky-python PATH] [--keep DIR] [--require]
 
-Both tools pull in many packages of their own (xpk: Google Cloud's AI Platform SDK and ~35 more,
-pinning older protobuf and PyYAML; SkyPilot 0.14: ~30, holding click at 8.1.8), so they are not
-test dependencies; install each in a virtual environment of its own and name its interpreter:
+Neither installs beside the project's pinned versions (constraints.txt): xpk 1.16.0 pins
+tabulate==0.9.0 (the lock has 0.10.0) and pulls Google Cloud's AI Platform SDK and ~35 more
+packages; SkyPilot 0.14.1 needs click<8.2 (the lock has 8.5.1) and ~30 more. So they are not test
+dependencies; install each in a virtual environment of its own and name its interpreter:
 
     python -m venv /tmp/xpk && /tmp/xpk/bin/pip install xpk==1.16.0          # 2.7 min here
     python -m venv /tmp/sky && /tmp/sky/bin/pip install skypilot==0.14.1     # 2.2 min here
