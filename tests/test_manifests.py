@@ -9,11 +9,15 @@ task parser check the same outputs in `scripts/check_launch_files.py`, since tho
 install too much for the suite.
 """
 
+import atexit
+import functools
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import yaml
@@ -87,11 +91,24 @@ def test_unknown_tpu_type_is_refused_naming_the_known_ones(name, fix, capsys):
     assert err.count("\n") == 1 and err.startswith(f"error: --tpu-type={name}: unknown TPU type") and fix in err
 
 
+@functools.cache
+def fake_bin() -> str:
+    """A directory whose `python3` prints its argv (NUL-separated) and whose `pip` does nothing."""
+    directory = tempfile.mkdtemp(prefix="olmo_eqx-fake-bin-")
+    atexit.register(shutil.rmtree, directory, True)
+    for name, body in (("python3", 'printf "%s\\0" "$@"'), ("pip", "true")):
+        path = os.path.join(directory, name)
+        with open(path, "w") as f:
+            f.write(f"#!/bin/sh\n{body}\n")
+        os.chmod(path, 0o755)
+    return directory
+
+
 def shell_argv(command: str) -> list[str]:
-    """The argv `python3` gets when bash runs `command` (as ssh runs --command on each host),
-    with python3 replaced by a function that prints its arguments."""
-    script = 'python3() { printf "%s\\0" "$@"; }; pip() { :; }; ' + command
-    out = subprocess.run(["bash", "-c", script], capture_output=True, check=True, env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
+    """The argv `python3` gets when bash runs `command` (as ssh runs --command on each host, and
+    a container `bash -c`), with python3 an executable that prints its arguments."""
+    env = {"HOME": "/home/u", "PATH": f"{fake_bin()}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", command], capture_output=True, check=True, env=env)
     return ["python3", *out.stdout.decode().split("\0")[:-1]]
 
 
@@ -153,7 +170,9 @@ def test_jobset_manifest_validates_against_published_models(tpu, slices, setup):
     (container,) = pod["containers"]
     assert container["resources"]["limits"] == {"google.com/tpu": str(t.chips_per_gke_node)}
     if setup:
+        # bash runs the setup, then is replaced by Python, which then gets the pod's SIGTERM itself
         assert container["command"][:2] == ["bash", "-c"] and shell_argv(container["command"][2]) == run.argv()
+        assert container["command"][2].startswith(f"{setup} && exec python3 -m olmo_eqx ")
     else:
         assert container["command"] == run.argv()
 

@@ -167,9 +167,11 @@ class Launch:
         ]
 
     def shell_command(self) -> str:
-        """The command every host runs, as one line of shell (the setup first, if any)."""
+        """The command every host runs, as one line of shell (the setup first, if any). After a
+        setup the shell `exec`s Python, so that a SIGTERM (a drained node, a deleted workload)
+        reaches the run, which then saves, rather than a shell that would not pass it on."""
         command = shlex.join(self.argv())
-        return f"{self.setup} && {command}" if self.setup else command
+        return f"{self.setup} && exec {command}" if self.setup else command
 
 
 def check_launch(launch: Launch, kind: str) -> None:
