@@ -263,3 +263,14 @@ def test_module_entry_writes_the_file(tmp_path):
     document = yaml.safe_load(out.read_text())
     assert document["spec"]["replicatedJobs"][0]["replicas"] == 2
     assert "plan it first: python -m olmo_eqx.plan +plan.target=tpu:v5p:4x4x8:2" in out.read_text()
+
+
+def test_the_planner_target_named_in_the_files_is_the_same_slice():
+    from olmo_eqx.plan.targets import parse_target
+
+    for t in TPU_TYPES.values():
+        if t.plan_target is None:  # v4: the planner knows no v4 chip
+            assert t.generation == "v4"
+            continue
+        target = parse_target(f"{t.plan_target}:2")
+        assert (target.topology, target.slices, target.n_devices) == (t.topology, 2, 2 * t.chips), t
