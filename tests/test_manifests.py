@@ -122,6 +122,8 @@ def test_tpu_vm_line_gives_every_host_the_exact_argv(slices):
     else:
         assert argv[:6] == ["gcloud", "compute", "tpus", "queued-resources", "ssh", "olmo7b"]
         assert "--node=all" in argv and "--worker=all" in argv
+        # every host of every slice at once (gcloud's default batch is 64 hosts; here 2 x 32)
+        assert argv[argv.index("--batch-size") + 1] == str(slices * 32)
     assert argv[argv.index("--zone") + 1] == "us-east5-a" and argv[argv.index("--project") + 1] == "my-project"
     command = argv[argv.index("--command") + 1]
     host_argv = shell_argv(command)  # each host's shell

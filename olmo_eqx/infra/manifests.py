@@ -224,7 +224,11 @@ def tpu_vm_command(launch: Launch, zone: str, project: Optional[str] = None) -> 
     """The gcloud argv that runs the command on every host of the TPU VM `launch.name` (for
     several slices: every host of every node of the queued resource `launch.name`)."""
     if launch.slices > 1:
-        argv = ["gcloud", "compute", "tpus", "queued-resources", "ssh", launch.name, "--zone", zone, "--node=all", "--worker=all"]
+        # queued-resources ssh starts the command on 64 hosts at a time by default (gcloud's
+        # reference): with more, the first 64 would wait for peers that start only after they end.
+        hosts = launch.slices * launch.tpu.vm_hosts
+        argv = ["gcloud", "compute", "tpus", "queued-resources", "ssh", launch.name, "--zone", zone, "--node=all",
+                "--worker=all", "--batch-size", str(hosts)]
     else:
         argv = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", launch.name, "--zone", zone, "--worker=all"]
     if project:
