@@ -40,7 +40,7 @@ DEFAULT_RUN_ROOT = "/tmp/olmo_eqx"
 CONTAINER = "olmo-eqx"
 # One Job per slice in the JobSet; the name appears in every pod's hostname.
 REPLICATED_JOB = "slice"
-# XPK restarts only on the exit statuses it is told (42 and 128+signal by default). A process
+# XPK restarts only on the exit statuses it is told (42 and 127-255 by default). A process
 # whose peer is lost (a preempted host) stops with status 2, as bad input does, and a crash is
 # status 1: both restart, as a JobSet with no failure rules restarts on any failure.
 XPK_RESTART_EXIT_CODES = "1,2"
