@@ -384,11 +384,12 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m olmo_eqx.infra.manifests",
-        description="Write the command or file that runs `python -m olmo_eqx OVERRIDES` on every host of a TPU "
+        description="Write the command or file that runs `python -m olmo_eqx OVERRIDES` on every host of a TPU\n"
         "slice (or several), with a pinned run dir and checkpoints in a bucket. docs/cluster.md has each kind.",
-        epilog="example: python -m olmo_eqx.infra.manifests xpk --name olmo7b --tpu-type v5p-256 --slices 2 "
-        "--cluster my-cluster --image us-docker.pkg.dev/p/r/olmo_eqx:latest --checkpoint-dir gs://b/olmo7b "
-        "-- +stage=pretrain +recipe=olmo3_7b_stage1",
+        epilog="example:\n  python -m olmo_eqx.infra.manifests xpk --name olmo7b --tpu-type v5p-256 --slices 2 \\\n"
+        "      --cluster my-cluster --image us-docker.pkg.dev/p/r/olmo_eqx:latest --checkpoint-dir gs://b/olmo7b \\\n"
+        "      -- +stage=pretrain +recipe=olmo3_7b_stage1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s KIND --name NAME --tpu-type TYPE --checkpoint-dir gs://... [options] -- OVERRIDE...",
     )
     p.add_argument("kind", choices=KINDS)
