@@ -28,6 +28,15 @@ def free_port(low: int = 0) -> int:
     raise RuntimeError(f"no free port in [{low}, 65535]")
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def slurm_environment(n_processes: int, rank: int) -> dict:
     """What SLURM sets for task `rank` of an `srun --ntasks=N` step on one node, as far as
     jax's SLURM detection (jax/_src/clusters/slurm_cluster.py) reads it: the coordinator is the
@@ -92,6 +101,8 @@ def launch_local_cluster(
     ranks: start only these processes (the others never arrive); env: added to every process.
     """
     port = free_port()
+    while not _free(port + 1):  # the roll call's port (olmo_eqx.infra.cluster.RollCall)
+        port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
     slurm = [slurm_environment(n_processes, 0)] if launcher == "slurm" else []
     # The caller's other XLA flags (the suite's compile flags in tests) with this device count.

@@ -60,7 +60,9 @@ GKE_SLICES = {"TPU_WORKER_HOSTNAMES": "s1-0.job,s1-1.job", "TPU_WORKER_ID": "1",
                          ("s0-0.job", "", "s1-0.job", "s1-1.job"))),
     ({**GKE_TWO_HOSTS, "JAX_COORDINATOR_PORT": "9999"},
      Cluster("gke-tpu", "TPU_WORKER_HOSTNAMES", 2, 1, "pod-0.job:9999", ("pod-0.job", "pod-1.job"))),
-    ({"TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}, Cluster("local", "TPU_WORKER_HOSTNAMES lists one host")),
+    # What a one-host GKE TPU pod gives (as read on the project's v5e device machine, 2026-12-07).
+    ({"TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0", "TPU_SKIP_MDS_QUERY": "true",
+      "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_HOST_BOUNDS": "1,1,1"}, Cluster("local", "TPU_WORKER_HOSTNAMES lists one host")),
     ({"OLMO_EQX_DISTRIBUTED": "1"}, Cluster("auto", "OLMO_EQX_DISTRIBUTED=1", None, None, jax_detects=True)),
 ])
 def test_each_launchers_environment(env, expected):
@@ -114,7 +116,9 @@ def test_who_is_missing():
     line = missing_peers_line(detect_cluster(GKE_TWO_HOSTS), 5.0, coordinator_up=False)
     assert f"process 1 of 2: process 0 (pod-0.job), the coordinator at pod-0.job:{_jax_port()}, did not come up" in line
     line = missing_peers_line(detect_cluster(GKE_SLICES), 5.0, coordinator_up=True)
-    assert "process 3 of 4: some of processes 1, 2 (s1-0.job) did not join" in line
+    assert "process 3 of 4: some of processes 1, 2 (s1-0.job) did not join" in line  # no roll call
+    line = missing_peers_line(detect_cluster(GKE_SLICES), 5.0, coordinator_up=True, present={0, 1, 3})
+    assert "process 3 of 4: process 2 (s1-0.job) did not join (3 of 4 did) within 5 s" in line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,8 +187,20 @@ def test_a_host_whose_peer_never_arrives_stops_saying_who(tmp_path):
     errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in results]
     assert [len(e) for e in errors] == [1, 1], results
     assert errors[0][0].startswith("error: cluster gke-tpu (TPU_WORKER_HOSTNAMES): process 0 of 2: process 1 (127.0.0.1) "
-                                   "did not join within 4 s. Check that every host runs the same command")
+                                   "did not join (1 of 2 did) within 4 s. Check that every host runs the same command")
     assert "process 1 of 2: process 0 (127.0.0.1), the coordinator at 127.0.0.1:" in errors[1][0]
     assert "did not come up within 4 s" in errors[1][0] and "raise OLMO_EQX_PEER_TIMEOUT_S" in errors[1][0]
     assert "Check failure stack trace" not in results[0][1] + results[1][1]  # ours, not JAX's abort
     assert elapsed < 60
+
+
+def test_the_roll_call_names_the_one_missing_among_several():
+    """3 processes expected, 0 and 2 started: both name process 1 alone (JAX's runtime cannot
+    say who registered; the roll call on the coordinator's port + 1 can)."""
+    processes = launch_local_cluster([sys.executable, "-c", SLICE_SCRIPT], n_processes=3, devices_per_process=1,
+                                     launcher="gke", ranks=[0, 2], env={"OLMO_EQX_PEER_TIMEOUT_S": "4"})
+    results = [p.communicate(timeout=120) for p in processes]
+    assert [p.returncode for p in processes] == [2, 2], results
+    for me, (_, err) in zip((0, 2), results):
+        (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+        assert f"process {me} of 3: process 1 (127.0.0.1) did not join (2 of 3 did) within 4 s" in line, err

@@ -28,8 +28,9 @@ insist on TPU chips, so elsewhere (a CPU host mimicking a pod) the same figures 
 explicitly; either way they are the figures JAX's detectors compute.
 
 A host whose peers never arrive stops after `OLMO_EQX_PEER_TIMEOUT_S` seconds (default 300,
-JAX's own) with one line naming who is missing: JAX's runtime itself aborts the process with a
-C++ stack trace instead, a little later (its timeout is set past ours).
+JAX's own) with one line naming who is missing (`RollCall` finds out which): JAX's runtime
+itself aborts the process with a C++ stack trace instead, a little later (its timeout is set
+past ours).
 """
 
 import dataclasses
@@ -272,14 +273,91 @@ def peer_timeout_s(environ: Optional[Mapping[str, str]] = None) -> float:
 
 def _reachable(address: Optional[str]) -> Optional[bool]:
     """Whether a TCP connection to "host:port" opens (None where no address is known)."""
-    if not address or ":" not in address:
+    split = _split(address)
+    if split is None:
         return None
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=3):
+        with socket.create_connection(split, timeout=3):
             return True
-    except (OSError, ValueError):
+    except OSError:
         return False
+
+
+def _split(address: Optional[str]) -> Optional[tuple[str, int]]:
+    host, _, port = (address or "").rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
+class RollCall:
+    """Who has arrived, for the line a process stops with when some have not: JAX's runtime
+    cannot say which processes have registered, so process 0 listens on the coordinator's
+    port + 1 and every other process tells it its id there; asked again at the deadline, it
+    answers with the ids it has heard from. Best effort and nothing else depends on it: a port
+    that is taken or blocked only makes the line less precise."""
+
+    def __init__(self, cluster: Cluster):
+        self.me = cluster.process_id
+        split = _split(cluster.coordinator)
+        self.address = None if split is None else (split[0], split[1] + 1)
+        self.present: set[int] = {self.me} if self.me is not None else set()
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.server: Optional[socket.socket] = None
+        if self.address is None or self.me is None:
+            return
+        if self.me == 0:
+            try:
+                self.server = socket.create_server(("", self.address[1]))
+            except OSError:
+                return
+            self.server.settimeout(0.5)
+            threading.Thread(target=self._serve, daemon=True).start()
+        else:
+            threading.Thread(target=self._announce, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.closed.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except OSError:  # the accept timeout (to see `closed`), or the socket closed
+                continue
+            with connection:
+                try:
+                    connection.settimeout(2)
+                    line = connection.makefile().readline()
+                    with self.lock:
+                        self.present.add(int(line.split()[1]))
+                        answer = " ".join(map(str, sorted(self.present)))
+                    connection.sendall(f"olmo_eqx-roll-call {answer}\n".encode())
+                except (OSError, ValueError, IndexError):
+                    continue
+
+    def ask(self) -> Optional[set[int]]:
+        """The ids process 0 has heard from (this one's included), None where it cannot tell."""
+        if self.me == 0:
+            if self.server is None:
+                return None
+            with self.lock:
+                return set(self.present)
+        try:
+            with socket.create_connection(self.address, timeout=2) as connection:
+                connection.settimeout(2)
+                connection.sendall(f"olmo_eqx-roll-call {self.me}\n".encode())
+                words = connection.makefile().readline().split()
+            if not words or words[0] != "olmo_eqx-roll-call":
+                return None
+            return {int(word) for word in words[1:]}
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _announce(self) -> None:
+        while not self.closed.is_set() and self.ask() is None:
+            self.closed.wait(1.0)
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.server is not None:
+            self.server.close()
 
 
 def _processes(ids: list[int], hosts: tuple[str, ...]) -> str:
@@ -287,16 +365,20 @@ def _processes(ids: list[int], hosts: tuple[str, ...]) -> str:
     return ("process " if len(named) == 1 else "processes ") + ", ".join(named)
 
 
-def missing_peers_line(cluster: Cluster, timeout: float, coordinator_up: Optional[bool]) -> str:
-    """The one line a process whose peers did not all arrive stops with."""
+def missing_peers_line(cluster: Cluster, timeout: float, coordinator_up: Optional[bool],
+                       present: Optional[set[int]] = None) -> str:
+    """The one line a process whose peers did not all arrive stops with. present: the ids the
+    roll call heard from, where it could tell."""
     num, me = cluster.num_processes, cluster.process_id
     coordinator = cluster.coordinator or "the coordinator"
     where = f"cluster {cluster.kind} ({cluster.source})"
     if me not in (None, 0) and coordinator_up is False:
         who = f"{_processes([0], cluster.hosts)}, the coordinator at {coordinator}, did not come up"
+    elif num is not None and me is not None and present is not None and len(present - {me}) < num - 1:
+        arrived = len(present)
+        who = f"{_processes(sorted(set(range(num)) - present), cluster.hosts)} did not join ({arrived} of {num} did)"
     elif num is not None and me is not None:
         others = [i for i in range(num) if i != me and not (i == 0 and coordinator_up)]
-        # JAX's runtime cannot say which of several peers have registered so far.
         some = "" if len(others) == 1 else "some of "
         who = f"{some}{_processes(others, cluster.hosts)} did not join"
     else:
@@ -307,7 +389,7 @@ def missing_peers_line(cluster: Cluster, timeout: float, coordinator_up: Optiona
             f"raise {PEER_TIMEOUT_ENV} (now {timeout:g})")
 
 
-def _give_up(cluster: Cluster, timeout: float) -> None:
+def _give_up(cluster: Cluster, timeout: float, roll_call: Optional[RollCall]) -> None:
     """Runs in a timer thread while the main thread is blocked inside JAX's connect, which
     cannot be interrupted: say who is missing and leave with the command line's status 2."""
     try:
@@ -323,7 +405,8 @@ def _give_up(cluster: Cluster, timeout: float) -> None:
     except (ImportError, AttributeError):
         pass
     up = _reachable(cluster.coordinator) if cluster.process_id not in (None, 0) else None
-    print(f"error: {missing_peers_line(cluster, timeout, up)}", file=sys.stderr, flush=True)
+    present = roll_call.ask() if roll_call is not None and up is not False else None
+    print(f"error: {missing_peers_line(cluster, timeout, up, present)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(2)
 
@@ -358,7 +441,8 @@ def start_cluster() -> Cluster:
             kwargs["num_processes"] = cluster.num_processes
         if cluster.process_id is not None:
             kwargs["process_id"] = cluster.process_id
-    watchdog = threading.Timer(timeout, _give_up, args=(cluster, timeout))
+    roll_call = RollCall(cluster) if cluster.coordinator else None
+    watchdog = threading.Timer(timeout, _give_up, args=(cluster, timeout, roll_call))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -368,6 +452,8 @@ def start_cluster() -> Cluster:
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     finally:
         watchdog.cancel()
+        if roll_call is not None:
+            roll_call.close()
     _current = _started_cluster(cluster)
     return _current
 
