@@ -88,6 +88,7 @@ def launch_local_cluster(
     ranks: Optional[list[int]] = None,
     metadata: Optional[list[str]] = None,
     env: Optional[dict] = None,
+    rank_env: Optional[dict] = None,
 ) -> list[subprocess.Popen]:
     """Start `command` once per process with the launcher environment `jax.distributed` reads
     (`olmo_eqx.infra.cluster.start_cluster`); each process fakes its CPU devices.
@@ -98,7 +99,8 @@ def launch_local_cluster(
     n hosts, or n slices of one host.
     launcher "tpu-vm": a TPU VM pod host: nothing but GCE_METADATA_IP, process i's pointing at
     `metadata[i]` (host:port of a metadata server: `tpu_vm_metadata`), and JAX_COORDINATOR_PORT.
-    ranks: start only these processes (the others never arrive); env: added to every process.
+    ranks: start only these processes (the others never arrive); env: added to every process,
+    rank_env[i] to process i's.
     """
     port = free_port()
     while not _free(port + 1):  # the roll call's port (olmo_eqx.infra.cluster.RollCall)
@@ -123,7 +125,7 @@ def launch_local_cluster(
             env.update(GCE_METADATA_IP=metadata[rank], JAX_COORDINATOR_PORT=str(port))
         else:
             raise ValueError(f"launcher={launcher!r}: 'jax', 'slurm', 'gke', 'gke-slices' or 'tpu-vm'")
-        env.update(extra)
+        env.update(extra, **(rank_env or {}).get(rank, {}))
         stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
     return processes

@@ -22,6 +22,7 @@ from olmo_eqx.infra.cluster import (
     detect_cluster,
     metadata_endpoint,
     missing_peers_line,
+    peer_timeout_s,
     running_on_tpu_vm,
     start_cluster,
 )
@@ -110,6 +111,13 @@ def test_this_machine_is_one_host():
     assert line.startswith("cluster: local, 1 process x 8 cpu devices, mesh ") and "fsdp=8" in line
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_bad_peer_timeout_is_one_line(value):
+    with pytest.raises(ClusterError, match=f"^OLMO_EQX_PEER_TIMEOUT_S='{value}': give the seconds a host waits"):
+        peer_timeout_s({"OLMO_EQX_PEER_TIMEOUT_S": value})
+    assert peer_timeout_s({}) == 300.0 and peer_timeout_s({"OLMO_EQX_PEER_TIMEOUT_S": "2.5"}) == 2.5
+
+
 def test_who_is_missing():
     gke = detect_cluster({**GKE_TWO_HOSTS, "TPU_WORKER_ID": "0"})
     assert "process 0 of 2: process 1 (pod-1.job) did not join within 5 s" in missing_peers_line(gke, 5.0, None)
@@ -174,33 +182,30 @@ def test_gke_slices_join_with_jax_process_ids():
 
 
 def test_a_host_whose_peer_never_arrives_stops_saying_who(tmp_path):
-    """2 processes expected, one started: within OLMO_EQX_PEER_TIMEOUT_S it stops with one line
-    (exit status 2) naming the missing process; both ways round (the coordinator alone, and a
-    worker whose coordinator never came up), as two separate jobs."""
-    timeout = {"OLMO_EQX_PEER_TIMEOUT_S": "4"}
+    """Within OLMO_EQX_PEER_TIMEOUT_S a process whose peers do not all arrive stops with one line
+    (exit status 2) naming the missing: 3 processes expected, 0 and 2 started, both name
+    process 1 (the roll call says which; JAX's runtime cannot); and, as a job of its own, a
+    worker whose coordinator never came up."""
+    # Process 2 gives up first, while process 0 still answers (the other way round it says what
+    # process 0 answered last); both lines are exact either way once each has heard the other.
+    timeouts = {0: {"OLMO_EQX_PEER_TIMEOUT_S": "12"}, 2: {"OLMO_EQX_PEER_TIMEOUT_S": "6"}}
     started = time.monotonic()
-    (alone_0,) = launch_local_cluster([*RUN, f"hydra.run.dir={tmp_path / 'a'}"], launcher="gke", ranks=[0], env=timeout)
-    (alone_1,) = launch_local_cluster([*RUN, f"hydra.run.dir={tmp_path / 'b'}"], launcher="gke", ranks=[1], env=timeout)
-    results = [p.communicate(timeout=120) for p in (alone_0, alone_1)]
+    gathering = launch_local_cluster([*RUN, f"hydra.run.dir={tmp_path}"], n_processes=3, launcher="gke", ranks=[0, 2],
+                                     rank_env=timeouts)
+    (alone,) = launch_local_cluster([sys.executable, "-c", SLICE_SCRIPT], launcher="gke", ranks=[1],
+                                    env={"OLMO_EQX_PEER_TIMEOUT_S": "4"})
+    results = [p.communicate(timeout=120) for p in (*gathering, alone)]
     elapsed = time.monotonic() - started
-    assert [alone_0.returncode, alone_1.returncode] == [2, 2], results
+    assert [p.returncode for p in (*gathering, alone)] == [2, 2, 2], results
     errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in results]
-    assert [len(e) for e in errors] == [1, 1], results
-    assert errors[0][0].startswith("error: cluster gke-tpu (TPU_WORKER_HOSTNAMES): process 0 of 2: process 1 (127.0.0.1) "
-                                   "did not join (1 of 2 did) within 4 s. Check that every host runs the same command")
-    assert "process 1 of 2: process 0 (127.0.0.1), the coordinator at 127.0.0.1:" in errors[1][0]
-    assert "did not come up within 4 s" in errors[1][0] and "raise OLMO_EQX_PEER_TIMEOUT_S" in errors[1][0]
-    assert "Check failure stack trace" not in results[0][1] + results[1][1]  # ours, not JAX's abort
+    assert [len(e) for e in errors] == [1, 1, 1], results
+    for me, seconds, (line,) in zip((0, 2), (12, 6), errors):
+        assert line.startswith(f"error: cluster gke-tpu (TPU_WORKER_HOSTNAMES): process {me} of 3: process 1 (127.0.0.1) "
+                               f"did not join (2 of 3 did) within {seconds} s. Check that every pod of the JobSet runs "
+                               "the same command"), line
+        assert f"raise OLMO_EQX_PEER_TIMEOUT_S (now {seconds})" in line
+    assert "process 1 of 2: process 0 (127.0.0.1), the coordinator at 127.0.0.1:" in errors[2][0]
+    assert "did not come up within 4 s" in errors[2][0]
+    assert not any("Check failure stack trace" in err for _, err in results)  # ours, not JAX's abort
+    assert not (tmp_path / "train.log").exists()  # stopped before the run began
     assert elapsed < 60
-
-
-def test_the_roll_call_names_the_one_missing_among_several():
-    """3 processes expected, 0 and 2 started: both name process 1 alone (JAX's runtime cannot
-    say who registered; the roll call on the coordinator's port + 1 can)."""
-    processes = launch_local_cluster([sys.executable, "-c", SLICE_SCRIPT], n_processes=3, devices_per_process=1,
-                                     launcher="gke", ranks=[0, 2], env={"OLMO_EQX_PEER_TIMEOUT_S": "4"})
-    results = [p.communicate(timeout=120) for p in processes]
-    assert [p.returncode for p in processes] == [2, 2], results
-    for me, (_, err) in zip((0, 2), results):
-        (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-        assert f"process {me} of 3: process 1 (127.0.0.1) did not join (2 of 3 did) within 4 s" in line, err

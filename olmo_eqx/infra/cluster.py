@@ -300,6 +300,9 @@ class RollCall:
         split = _split(cluster.coordinator)
         self.address = None if split is None else (split[0], split[1] + 1)
         self.present: set[int] = {self.me} if self.me is not None else set()
+        # A worker's last answer from process 0: where process 0 has given up and left first,
+        # still the best account of who had arrived.
+        self.last: Optional[set[int]] = None
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.server: Optional[socket.socket] = None
@@ -333,12 +336,18 @@ class RollCall:
                     continue
 
     def ask(self) -> Optional[set[int]]:
-        """The ids process 0 has heard from (this one's included), None where it cannot tell."""
+        """The ids process 0 has heard from (this one's included): asked now, else its last
+        answer; None where it never answered."""
         if self.me == 0:
             if self.server is None:
                 return None
             with self.lock:
                 return set(self.present)
+        return self._ask() or self.last
+
+    def _ask(self) -> Optional[set[int]]:
+        if self.address is None:
+            return None
         try:
             with socket.create_connection(self.address, timeout=2) as connection:
                 connection.settimeout(2)
@@ -346,18 +355,29 @@ class RollCall:
                 words = connection.makefile().readline().split()
             if not words or words[0] != "olmo_eqx-roll-call":
                 return None
-            return {int(word) for word in words[1:]}
+            self.last = {int(word) for word in words[1:]}
+            return self.last
         except (OSError, ValueError, TypeError):
             return None
 
     def _announce(self) -> None:
-        while not self.closed.is_set() and self.ask() is None:
-            self.closed.wait(1.0)
+        # Until the runtime starts: soon after a miss, now and then after an answer.
+        while not self.closed.is_set():
+            self.closed.wait(1.0 if self._ask() is None else 5.0)
 
     def close(self) -> None:
         self.closed.set()
         if self.server is not None:
             self.server.close()
+
+
+# How each kind runs the same command on every host, for the line that says one is missing.
+_EVERY_HOST = {
+    "slurm": "every task runs the same command (srun, one task per process, not the batch script alone)",
+    "gke-tpu": "every pod of the JobSet runs the same command",
+    "tpu-vm-pod": "every host runs the same command (gcloud compute tpus tpu-vm ssh ... --worker=all)",
+    "ompi": "mpirun starts the same command for every rank",
+}
 
 
 def _processes(ids: list[int], hosts: tuple[str, ...]) -> str:
@@ -384,9 +404,10 @@ def missing_peers_line(cluster: Cluster, timeout: float, coordinator_up: Optiona
     else:
         who = "not every process joined"
     this = f"process {me} of {num}" if num is not None and me is not None else "this process"
-    return (f"{where}: {this}: {who} within {timeout:g} s. Check that every host runs the same command with "
-            f"its launcher's environment ({cluster.source}) and can reach {coordinator}; if hosts start slowly, "
-            f"raise {PEER_TIMEOUT_ENV} (now {timeout:g})")
+    every = _EVERY_HOST.get(cluster.kind, "every host runs the same command")
+    return (f"{where}: {this}: {who} within {timeout:g} s. Check that {every} with its launcher's environment "
+            f"({cluster.source}) and can reach {coordinator}; if hosts start slowly, raise {PEER_TIMEOUT_ENV} "
+            f"(now {timeout:g})")
 
 
 def _give_up(cluster: Cluster, timeout: float, roll_call: Optional[RollCall]) -> None:
@@ -404,8 +425,9 @@ def _give_up(cluster: Cluster, timeout: float, roll_call: Optional[RollCall]) ->
         )
     except (ImportError, AttributeError):
         pass
-    up = _reachable(cluster.coordinator) if cluster.process_id not in (None, 0) else None
-    present = roll_call.ask() if roll_call is not None and up is not False else None
+    present = roll_call.ask() if roll_call is not None else None
+    # A coordinator that answered the roll call came up (it may have given up and left since).
+    up = None if cluster.process_id in (None, 0) or present else _reachable(cluster.coordinator)
     print(f"error: {missing_peers_line(cluster, timeout, up, present)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(2)
