@@ -41,8 +41,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -55,7 +55,7 @@ DEFAULT_PEER_TIMEOUT_S = 300.0
 # JAX's own timeout runs this much past ours: ours says who is missing, JAX's aborts.
 _JAX_GRACE_S = 60
 # JAX's TPU detectors put the coordinator on this port (jax/_src/clusters/cloud_tpu_cluster.py);
-# read from JAX where it can be, so a JAX that moves it moves ours too (8476 until 2025, now 8482).
+# read from JAX where it can be, so a JAX that moves it moves ours too (8476 in older releases, 8482 in JAX 0.10).
 _FALLBACK_TPU_PORT = "8482"
 _METADATA_PATH = "/computeMetadata/v1/instance/attributes/"
 
