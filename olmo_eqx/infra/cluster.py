@@ -470,8 +470,9 @@ def start_cluster() -> Cluster:
     try:
         jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + _JAX_GRACE_S)
     except (ValueError, TypeError, RuntimeError) as e:
+        hint = "; JAX found no cluster here: on one host, unset OLMO_EQX_DISTRIBUTED" if cluster.kind == "auto" else ""
         raise ClusterError(f"cluster {cluster.kind} ({cluster.source}): jax.distributed did not start: "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+                           f"{str(e).splitlines()[0].rstrip('.') if str(e) else type(e).__name__}{hint}") from e
     finally:
         watchdog.cancel()
         if roll_call is not None:
