@@ -13,7 +13,6 @@ Scale never changes code: a dimension that the mesh axis does not divide (a 64-w
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -246,27 +245,3 @@ def train_state_shardings(state: Any, mesh: Mesh, rules: ShardingRules = Shardin
 
     return jax.tree.map(lambda node: params if is_params(node) else rep, state, is_leaf=is_params)
 
-
-def maybe_initialize_distributed() -> bool:
-    """Start JAX's multi-controller runtime once, when the launcher's environment asks for it.
-
-    Triggers: JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID), or a SLURM job
-    with more than one task (jax's own SLURM detection fills in the rest), or
-    OLMO_EQX_DISTRIBUTED=1 for clusters jax auto-detects (GKE/TPU pods). Must run before any
-    other JAX call that touches devices. Returns True when the runtime is (now) initialised.
-    """
-    if jax.distributed.is_initialized():
-        return True
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        kwargs = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"]}
-        if "JAX_NUM_PROCESSES" in env:
-            kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
-        if "JAX_PROCESS_ID" in env:
-            kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
-        jax.distributed.initialize(**kwargs)
-        return True
-    if int(env.get("SLURM_NTASKS", "1")) > 1 or env.get("OLMO_EQX_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
-        return True
-    return False

@@ -95,12 +95,13 @@ class Generate:
         from olmo_eqx.evaluation.run import load_subject
         from olmo_eqx.interop.generate import generate
         from olmo_eqx.run.run_dir import RunDir
-        from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
+        from olmo_eqx.infra.cluster import cluster_line, start_cluster
+        from olmo_eqx.sharding import ShardingRules, make_mesh
 
         settings = stage_settings(self, "generate", config.stage or {})
         if not config.checkpoint.load:
             raise EvalError("generate needs a model: checkpoint.load=<run dir | checkpoints dir | step dir | HF dir>")
-        maybe_initialize_distributed()
+        cluster = start_cluster()
         mesh, rules = make_mesh(config.mesh), ShardingRules()
         subject = load_subject(config.checkpoint.load, None, settings.tokenizer, config, mesh, rules)
         tokenizer = subject.tokenizer
@@ -133,6 +134,7 @@ class Generate:
             "tokens_per_s": n_new / seconds if seconds else None,
         }
         with RunDir(run_dir, enabled=jax.process_index() == 0, log_name="generate.log") as out:
+            out.print(cluster_line(cluster, mesh))
             out.print(f"generate: {subject.name} ({subject.location.kind}) | tokenizer {tokenizer.path} | "
                       f"{'greedy' if settings.temperature == 0 else f'temperature {settings.temperature}'} | "
                       f"{len(prompts)} prompt(s), up to {settings.max_new_tokens} new tokens")

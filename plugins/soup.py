@@ -54,11 +54,12 @@ class Soup:
         from olmo_eqx.checkpoint import Checkpointer
         from olmo_eqx.config import config_to_dict, stage_settings
         from olmo_eqx.run.run_dir import RunDir
-        from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
+        from olmo_eqx.infra.cluster import cluster_line, start_cluster
+        from olmo_eqx.sharding import ShardingRules, make_mesh
         from olmo_eqx.stages import StageError
         from olmo_eqx.warm_start import fresh_state, locate, own_checkpoint
 
-        maybe_initialize_distributed()
+        cluster = start_cluster()
         settings = stage_settings(self, "soup", config.stage or {})
         if not settings.checkpoints:
             raise StageError("soup needs the checkpoints to average: stage.checkpoints=[PATH,PATH,...]")
@@ -79,6 +80,7 @@ class Soup:
         total = sum(weights)
         # Everything above refuses bad input before the run dir gets a file (soup.log included).
         out = RunDir(run_dir, enabled=jax.process_index() == 0, log_name="soup.log")
+        out.print(cluster_line(cluster, mesh))
         out.print(f"soup of {len(locations)} checkpoint(s) of {model_config.name} on mesh {dict(mesh.shape)}:")
         for location, weight in zip(locations, weights):
             out.print(f"  {weight / total:.4f} x {location}")

@@ -197,9 +197,9 @@ def worker(args) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from olmo_eqx.sharding import maybe_initialize_distributed
+    from olmo_eqx.infra.cluster import start_cluster
 
-    maybe_initialize_distributed()
+    start_cluster()
     from jax.experimental import multihost_utils
 
     import olmo_eqx.checkpoint as checkpoint

@@ -395,8 +395,9 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_default_matmul_precision", "highest")
-    from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
-    maybe_initialize_distributed()
+    from olmo_eqx.infra.cluster import start_cluster
+    from olmo_eqx.sharding import MeshConfig, ShardingRules, batch_sharding, make_mesh
+    start_cluster()
     import numpy as np
     sys.path.insert(0, sys.argv[2])
     from test_checkpoint import LOADER, OPTIM, SCHEDULE, TINY, batch_for

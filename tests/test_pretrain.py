@@ -109,6 +109,8 @@ def test_pretrain_learns_and_writes_its_artifacts(uninterrupted):
     assert on_disk["tokens_per_s_wall"] == pytest.approx(session_tokens / on_disk["wall_time_s"], rel=1e-6)
     assert checkpoint_steps(run_dir) == [6, 12]
     assert json.loads((run_dir / "config.json").read_text())["model"]["name"] == "olmo3_nano"
+    # One host, nothing set: no jax.distributed, and the log's first line says so.
+    assert (run_dir / "train.log").read_text().startswith("cluster: local, 1 process x 8 cpu devices, mesh data=1 fsdp=8 ")
 
 
 def test_every_sink_holds_the_metrics_of_metrics_jsonl(uninterrupted):
@@ -189,6 +191,7 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
+    assert re.search(r"^cluster: local, 1 process x 1 cpu device, mesh data=1 fsdp=1 ", output, re.M), output
     # The first step's wait is announced as compilation, not left silent.
     assert "compiling the train step: step 1's line comes once it has compiled and run" in output
     if huge_pages.environment_with_huge_pages({"JAX_PLATFORMS": "cpu"}) is not None:
@@ -274,6 +277,8 @@ def test_two_processes_train_like_one(uninterrupted, tmp_path, launcher):
     outputs = [p.communicate(timeout=240)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "4 cpu device(s)" in outputs[0] and "parameters" not in outputs[1]
+    kind = "jax (JAX_COORDINATOR_ADDRESS)" if launcher == "jax" else "slurm (SLURM_NTASKS=2)"
+    assert (tmp_path / "train.log").read_text().startswith(f"cluster: {kind}, 2 processes x 2 cpu devices, mesh ")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if '"loss"' in line] == [1, 2, 3, 4]  # written once
     reference, distributed = read_metrics(uninterrupted[0]), read_metrics(tmp_path)

@@ -14,7 +14,6 @@ from olmo_eqx.sharding import (
     ShardingRules,
     batch_sharding,
     make_mesh,
-    maybe_initialize_distributed,
     model_shardings,
     spec_for,
     train_state_shardings,
@@ -95,17 +94,12 @@ def test_batch_sharding():
     assert batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), None)
 
 
-def test_no_distributed_without_launcher_env(monkeypatch):
-    for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OLMO_EQX_DISTRIBUTED"):
-        monkeypatch.delenv(name, raising=False)
-    assert maybe_initialize_distributed() is False
-
-
 TWO_PROCESS_SCRIPT = textwrap.dedent(
     """
     import jax
-    from olmo_eqx.sharding import MeshConfig, make_mesh, maybe_initialize_distributed
-    assert maybe_initialize_distributed() and maybe_initialize_distributed()  # second call is a no-op
+    from olmo_eqx.infra.cluster import start_cluster
+    from olmo_eqx.sharding import MeshConfig, make_mesh
+    assert start_cluster().kind == "jax" and start_cluster() is start_cluster()  # later calls: the same, no-op
     mesh = make_mesh(MeshConfig())
     print("OK", jax.process_index(), jax.process_count(), mesh.size, flush=True)
     """

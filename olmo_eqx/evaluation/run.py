@@ -37,7 +37,8 @@ from olmo_eqx.evaluation.settings import CompareSettings, EvalSettings
 from olmo_eqx.evaluation.tokens import TextTokenizer
 from olmo_eqx.models.base import CausalLM
 from olmo_eqx.run.run_dir import RunDir
-from olmo_eqx.sharding import ShardingRules, make_mesh, maybe_initialize_distributed
+from olmo_eqx.infra.cluster import cluster_line, start_cluster
+from olmo_eqx.sharding import ShardingRules, make_mesh
 from olmo_eqx.warm_start import load_model, locate, stored_model_config, stored_run_config, with_runtime_fields
 
 
@@ -125,7 +126,7 @@ class Evaluator:
     """Shared pieces of one evaluation run: the mesh, the scorer, the held-out sets, the tasks."""
 
     def __init__(self, config: Config, settings: EvalSettings, run_dir: Path, stage: str):
-        maybe_initialize_distributed()
+        cluster = start_cluster()
         self.config, self.settings = config, settings
         self.main = jax.process_index() == 0
         self.mesh = make_mesh(config.mesh)
@@ -136,6 +137,7 @@ class Evaluator:
         self.out = RunDir(run_dir, enabled=self.main, log_name=f"{stage}.log", loggers=config.trainer.loggers,
                           sink_config=config_to_dict(config) | {"stage": asdict(settings)})
         self.run_dir = self.out.path
+        self.say(cluster_line(cluster, self.mesh))
 
     def say(self, text: str) -> None:
         self.out.print(text)

@@ -39,7 +39,8 @@ from olmo_eqx.errors import EvalError, RunError
 from olmo_eqx.evaluation.requests import Encoded, Request
 from olmo_eqx.evaluation.scoring import Scorer, round_batch_size
 from olmo_eqx.interop.generate import generate
-from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh, maybe_initialize_distributed
+from olmo_eqx.infra.cluster import cluster_line, start_cluster
+from olmo_eqx.sharding import MeshConfig, ShardingRules, make_mesh
 
 
 def _int(value, name: str) -> Optional[int]:
@@ -70,8 +71,10 @@ class OLMoEqxLM(LM):
         from olmo_eqx.config import compose_config
         from olmo_eqx.evaluation.run import load_subject
 
-        maybe_initialize_distributed()
+        cluster = start_cluster()
         self.mesh, self.rules = make_mesh(MeshConfig()), ShardingRules()
+        if jax.process_index() == 0:  # stderr: lm-eval's own output is stdout
+            print(cluster_line(cluster, self.mesh), file=sys.stderr, flush=True)
         self.scorer = Scorer(self.mesh, self.rules)
         # lm-eval passes batch_size "auto" or a string; a fixed size keeps compiled shapes few.
         requested = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else _int(batch_size, "batch_size")

@@ -59,7 +59,8 @@ from olmo_eqx.models.registry import count_params
 from olmo_eqx.run.plots import loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
-from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh, maybe_initialize_distributed
+from olmo_eqx.infra.cluster import cluster_line, start_cluster
+from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh
 from olmo_eqx.run.sinks import METRICS_FILE, check_loggers, last_recorded_step
 from olmo_eqx.train.divergence import LIKELY_CAUSES, DivergenceGuard, SaveHealth, all_finite, runaway_loss_limit
 from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
@@ -103,7 +104,7 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
     passes one that loads earlier weights); a resume always wins over it.
     notes: lines a stage wants at the top of this session's log (printed and kept in train.log).
     """
-    maybe_initialize_distributed()
+    start_cluster()
     # A failure in one process stops every process within seconds, with its message.
     with FailureWatch():
         return _train(config, run_dir, init_state, notes)
@@ -131,6 +132,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
     except (DataFileError, ValueError, ImportError) as e:
         raise TrainError(str(e)) from e
     rules = ShardingRules()
+    notes = (cluster_line(start_cluster(), mesh), *notes)  # the log's first line
     if main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
     with _one_writer(run_dir, main_process):
