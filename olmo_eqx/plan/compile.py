@@ -2,27 +2,16 @@
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from olmo_eqx.plan.targets import Target, gpu_devices, tpu_devices
+from olmo_eqx.train.memory import CompileRefused, compile_lowered, memory_bytes  # noqa: F401  (the planner's names)
 
 # Where compile_train_step says what it compiles and how long it took (main() prints it; a
 # plan from Python stays quiet).
 _progress: Optional[Callable[[str], None]] = None
 _compiles = 0
-
-
-class CompileRefused(Exception):
-    """The target's compiler refused the program (XLA:TPU: it does not fit in HBM).
-
-    `str()` is the compiler's verdict in a line; `details` its whole message (XLA:TPU lists
-    the program's largest allocations there)."""
-
-    def __init__(self, message: str, details: str = ""):
-        super().__init__(message)
-        self.details = details
 
 
 @dataclass
@@ -69,16 +58,6 @@ def _cost_analysis(compiled) -> dict:
     return {key: float(value) for key, value in (cost or {}).items() if "{" not in key}
 
 
-def _refusal(error: Exception) -> Optional[str]:
-    """The compiler's own out-of-memory message, in a line or two, or None for other errors."""
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
-        return None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    keep = [line for line in lines if "RESOURCE_EXHAUSTED" in line or "Ran out of memory" in line or "Exceeded" in line]
-    return " ".join(keep or lines[:1])[:600]
-
-
 # The estimate's compiles ask XLA for its counts only, never for the program the chip runs:
 # at the lowest execution-time effort XLA:TPU skips its costly scheduling and tuning passes.
 # A 190m one-layer program on v5e:2x2 then compiles in 12-21 s instead of 69-76 s, with the
@@ -112,27 +91,11 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
 
 
 def _compile(lowered, what: str, effort: Optional[float]):
-    """Compile `lowered`, saying what and how long (`_progress`); the compiler's out-of-memory
-    refusal becomes `CompileRefused`. `effort`: as for `compile_train_step`."""
+    """Compile `lowered`, saying what and how long (`_progress`), numbered; the compiler's
+    out-of-memory refusal becomes `CompileRefused`. `effort`: as for `compile_train_step`."""
     global _compiles
     _compiles += 1
-    if effort is not None:
-        what += f", optimisation effort {effort:g} (XLA's counts only)"
-    if _progress:
-        _progress(f"  compile {_compiles}: {what} ...")
-    started = time.perf_counter()
-    options = None if effort is None else {"exec_time_optimization_effort": effort}
-    try:
-        compiled = lowered.compile(compiler_options=options)
-    except Exception as e:
-        if (message := _refusal(e)) is not None:
-            if _progress:
-                _progress(f"  compile {_compiles}: refused by the compiler after {time.perf_counter() - started:.0f} s")
-            raise CompileRefused(message, str(e)) from None
-        raise
-    if _progress:
-        _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
-    return compiled
+    return compile_lowered(lowered, what, effort=effort, progress=_progress, label=f"compile {_compiles}")
 
 
 def _abstract_step(config, devices):
@@ -189,22 +152,6 @@ def once_per_step_cost(config, devices, *, effort: Optional[float] = COUNTS_ONLY
     lowered = jax.jit(once, donate_argnums=(0, 1)).lower(grads, arrays)
     cost = _cost_analysis(_compile(lowered, f"the once-per-step update of {config.model.n_layers} layers", effort))
     return {**cost, "gradient bytes": float(_per_device_bytes(grads))}
-
-
-def memory_bytes(memory) -> dict:
-    """XLA's memory analysis of one device's program, per kind, and their sum ("total": what
-    XLA:CPU and XLA:GPU need; XLA:TPU holds its temporaries alone against HBM, see plan_config)."""
-    arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
-    aliased, temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
-    return {
-        "arguments": arguments,
-        "outputs": outputs,
-        "aliased": aliased,
-        "temporaries": temporaries,
-        # Donated arguments are aliased by the outputs: counted once.
-        "total": arguments + outputs - aliased + temporaries,
-        "host": getattr(memory, "host_temp_size_in_bytes", 0) + getattr(memory, "host_argument_size_in_bytes", 0),
-    }
 
 
 def _is_abstract(x) -> bool:
