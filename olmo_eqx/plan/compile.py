@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from olmo_eqx.plan.targets import Target, gpu_devices, tpu_devices
-from olmo_eqx.train.memory import CompileRefused, compile_lowered, memory_bytes  # noqa: F401  (the planner's names)
+from olmo_eqx.train.memory import (  # noqa: F401  (CompileRefused and memory_bytes: the planner's names too)
+    Attempt, Budget, CompileRefused, compile_lowered, device_budget, fewest_that_fit, memory_bytes, micro_batch_candidates,
+    needed_bytes, size,
+)
 
 # Where compile_train_step says what it compiles and how long it took (main() prints it; a
 # plan from Python stays quiet).
@@ -25,6 +28,10 @@ class CompiledStep:
     # The executable itself: `executable(batch, arrays)` runs it where the devices are real
     # (scripts/measure_step.py), `arrays` being the state's arrays (`eqx.filter(state, eqx.is_array)`).
     executable: object = None
+    # The config compiled: trainer.micro_batches=auto resolved to the count chosen.
+    config: object = None
+    # trainer.micro_batches=auto: every count compiled, fewest first (`olmo_eqx.train.memory.Attempt`).
+    attempts: list = dataclasses.field(default_factory=list)
 
 
 def target_devices(target: Target) -> list:
@@ -65,11 +72,17 @@ def _cost_analysis(compiled) -> dict:
 COUNTS_ONLY_EFFORT = -1.0
 
 
-def compile_train_step(config, devices, *, effort: Optional[float] = None) -> CompiledStep:
+def compile_train_step(config, devices, *, effort: Optional[float] = None, budget: Optional[Budget] = None) -> CompiledStep:
     """Lower and compile `config`'s train step for abstract inputs on `devices` (nothing allocated).
 
     `effort`: XLA's execution-time optimisation effort, -1 to 1; None keeps the compiler's
-    default, which is what the chip runs and what the memory plan must read."""
+    default, which is what the chip runs and what the memory plan must read.
+
+    trainer.micro_batches=auto compiles the fewest micro-batches that fit as a run on `devices`
+    would choose them (`olmo_eqx.train.micro_batches`), against `budget` (default: what the
+    devices offer, `olmo_eqx.train.memory.device_budget`); `CompileRefused` when none fits."""
+    if config.trainer.micro_batches == "auto":
+        return _fewest_micro_batches(config, devices, effort=effort, budget=budget)
     import equinox as eqx
     import jax
 
@@ -87,7 +100,44 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
     what = (f"{model.n_layers} layers, remat {model.remat}, {config.trainer.micro_batches} micro-batch(es) of "
             f"{config.data.global_batch_size // config.trainer.micro_batches} x {config.data.sequence_length}")
     compiled = _compile(jax.jit(array_step, donate_argnums=1).lower(batch, arrays), what, effort)
-    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules,
+                        compiled, config)
+
+
+def _fewest_micro_batches(config, devices, *, effort: Optional[float], budget: Optional[Budget]) -> CompiledStep:
+    """`compile_train_step` for trainer.micro_batches=auto: the fewest candidates that fit."""
+    import jax
+
+    from olmo_eqx.sharding import MESH_AXES, ShardingRules
+
+    platform = devices[0].platform
+    if budget is None:
+        local = sum(1 for d in devices if getattr(d, "process_index", 0) == jax.process_index())
+        budget = device_budget(devices[0], config.trainer.device_memory_gib, local)
+    sizes = dict(zip(MESH_AXES, config.mesh.shape(len(devices))))
+    shards = math.prod(sizes[axis] for axis in ShardingRules().batch)
+
+    def attempt(m: int) -> Attempt:
+        try:
+            step = compile_train_step(_with(config, micro_batches=m), devices, effort=effort)
+        except CompileRefused as refusal:
+            return Attempt(m, False, None, refused=str(refusal))
+        needed = needed_bytes(memory_bytes(step.memory), platform)
+        return Attempt(m, needed <= budget.bytes, needed, payload=step)
+
+    best, attempts = fewest_that_fit(micro_batch_candidates(config.data.global_batch_size, shards), attempt)
+    if best is None:
+        last = max(attempts, key=lambda a: a.micro_batches)
+        need = f"needs {size(last.needed)} per device" if last.needed is not None else f"is refused ({last.refused})"
+        raise CompileRefused(
+            f"trainer.micro_batches=auto: nothing fits: {last.micro_batches} micro-batches, the most the batch allows, "
+            f"{need}, against {size(budget.bytes)} ({budget.source})"
+        )
+    step = best.payload
+    for a in attempts:
+        a.payload = None  # the executables of the other counts are not kept
+    step.attempts = attempts
+    return step
 
 
 def _compile(lowered, what: str, effort: Optional[float]):

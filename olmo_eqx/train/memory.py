@@ -130,11 +130,14 @@ def device_budget(device, configured_gib: Optional[float] = None, local_devices:
     except Exception:  # abstract devices, and backends without the call
         stats = {}
     if stats.get("bytes_limit"):
-        return Budget(int(stats["bytes_limit"]), f"{device.device_kind} memory_stats()['bytes_limit']")
-    host = host_memory_bytes()
+        return Budget(int(stats["bytes_limit"]), f"the {device.device_kind}'s memory_stats() bytes_limit")
+    host = host_memory_bytes() if device.platform == "cpu" else 0
     if host:
-        return Budget(host // max(local_devices, 1), f"the host's memory over its {local_devices} local device(s)")
-    raise ValueError(f"{device.device_kind} reports no memory limit: set trainer.device_memory_gib")
+        return Budget(host // max(local_devices, 1), f"the host's memory over its {local_devices} local devices")
+    raise ValueError(
+        f"trainer.micro_batches=auto: the {device.platform} device {device.device_kind!r} reports no memory limit "
+        "(memory_stats()); set trainer.device_memory_gib to what one device offers, or a fixed trainer.micro_batches"
+    )
 
 
 def micro_batch_candidates(global_batch: int, batch_shards: int) -> list[int]:

@@ -110,7 +110,10 @@ def choose_micro_batches(
     setting, trainer, data = config.trainer.micro_batches, config.trainer, config.data
     if setting != "auto":
         return MicroBatchChoice(micro_batches=setting, auto=False, **base)
-    budget = device_budget(device, trainer.device_memory_gib, jax.local_device_count())
+    try:
+        budget = device_budget(device, trainer.device_memory_gib, jax.local_device_count())
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     shards = math.prod(mesh.shape[axis] for axis in rules.batch)
     candidates = micro_batch_candidates(data.global_batch_size, shards)
     # The loop's batch layout and fields, all padding (nothing is read from the token files).
