@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 GIB = 1024**3
 
@@ -90,7 +90,7 @@ def memory_bytes(memory) -> dict:
     }
 
 
-def size(n: float) -> str:
+def size(n: Union[int, float]) -> str:
     """Bytes as GiB, or MiB below one GiB (a tiny model's step needs a few MiB)."""
     return f"{n / GIB:.3g} GiB" if n >= GIB else f"{n / 2**20:.3g} MiB"
 
