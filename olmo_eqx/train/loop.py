@@ -437,7 +437,8 @@ class _Loop:
                 entry.update(reader.stats)
             if first or step % trainer.log_every == 0 or step == self.end_step:
                 if rate is None:
-                    speed = f"first step (with compilation) {time.perf_counter() - self.loop_started:.1f}s"
+                    compiled = "compiled before it, trainer.micro_batches=auto" if self.choice.auto else "with compilation"
+                    speed = f"first step ({compiled}) {time.perf_counter() - self.loop_started:.1f}s"
                 else:
                     speed = f"{rate:,.0f} tok/s" + (f" | MFU {100 * utilisation:.1f}%" if utilisation else "")
                 self.out.print(
