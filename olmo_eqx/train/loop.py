@@ -163,8 +163,11 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             notes.extend(_never_uploaded(checkpointer, start_step))
             # Refused (nothing fits) before anything in the run dir is written.
             say = (lambda line: print(line, flush=True)) if main_process else None  # noqa: E731
-            choice = choose_micro_batches(config, state, mesh, rules, schedule, dataset, progress=say)
-            if line := choice.line(previous_session(stored_config)):
+            previous = previous_session(stored_config)
+            trains = start_step < (config.trainer.stop_at or config.trainer.steps)
+            choice = choose_micro_batches(config, state, mesh, rules, schedule, dataset, progress=say, previous=previous,
+                                          trains=trains)
+            if line := choice.line(previous):
                 notes.append(line)
             config_dict = {**config_to_dict(config), "session": choice.record()}
             out = RunDir(run_dir, enabled=main_process, log_name=LOG_FILE, loggers=config.trainer.loggers,
@@ -359,8 +362,10 @@ class _Loop:
         if device.platform == "cpu":
             self.out.print(f"host memory: {huge_pages.describe()}")
         # Else the first step's silence (seconds to minutes) looks like a hang.
-        if self.start_step < self.end_step and not self.choice.auto:
-            self.out.print(f"compiling the train step: step {self.start_step + 1}'s line comes once it has compiled and run")
+        if self.start_step < self.end_step:
+            when = ("compiled above (trainer.micro_batches=auto): step {}'s line comes once it has run" if self.choice.auto
+                    else "compiling the train step: step {}'s line comes once it has compiled and run")
+            self.out.print(when.format(self.start_step + 1))
 
     def step(self, state, batch):
         """One train step; a device that runs out of memory stops the run with one line."""

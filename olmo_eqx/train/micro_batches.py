@@ -88,6 +88,8 @@ class MicroBatchChoice:
                 return None
             return f"{devices}: {micro} (trainer.micro_batches={self.micro_batches}, fixed)"
         chosen = self.chosen
+        if chosen is None:  # a session with no step to train compiled nothing
+            return None
         why = (f"fits {size(chosen.needed)} of {size(self.budget.bytes)} per device, "
                f"{needed_what(self.platform)} against {self.budget.source}")
         refused = [a.micro_batches for a in self.attempts if not a.fits]
@@ -99,17 +101,23 @@ class MicroBatchChoice:
 
 def choose_micro_batches(
     config: Config, state: TrainState, mesh: Mesh, rules: ShardingRules, schedule: Schedule, dataset: InstanceDataset,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[[str], None]] = None, previous: Optional[dict] = None, trains: bool = True,
 ) -> MicroBatchChoice:
     """The session's micro-batch count: `trainer.micro_batches` when fixed, else the fewest that
     fit (compiled now, for `state` and a batch laid out as the loop's; the loop's first step then
-    runs that very program). Raises `TrainError` when none fits."""
+    runs that very program). Raises `TrainError` when none fits.
+
+    trains=False (the checkpoint is already at the run's last step): nothing is compiled, and
+    auto keeps the `previous` session's count (its `record()`), else 1."""
     device = jax.devices()[0]
     base = dict(devices=jax.device_count(), processes=jax.process_count(), device_kind=device.device_kind,
                 platform=device.platform)
     setting, trainer, data = config.trainer.micro_batches, config.trainer, config.data
     if setting != "auto":
         return MicroBatchChoice(micro_batches=setting, auto=False, **base)
+    if not trains:
+        kept = (previous or {}).get("micro_batches")
+        return MicroBatchChoice(micro_batches=kept if isinstance(kept, int) else 1, auto=True, **base)
     try:
         budget = device_budget(device, trainer.device_memory_gib, jax.local_device_count())
     except ValueError as e:
