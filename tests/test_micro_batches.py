@@ -157,3 +157,26 @@ def test_the_setting_takes_auto_or_a_count_and_says_what_else():
         compose_config([*NANO, "trainer.micro_batches=3"])
     with pytest.raises(ConfigError, match=r"device_memory_gib=0.0 must be > 0"):
         compose_config([*NANO, "trainer.device_memory_gib=0"])
+
+
+def test_the_search_tries_the_fewest_first_then_bisects():
+    from olmo_eqx.train.memory import Attempt, fewest_that_fit
+
+    def search(fitting_from: int, candidates=(1, 2, 4, 8, 16)):
+        best, tried = fewest_that_fit(list(candidates), lambda m: Attempt(m, m >= fitting_from, 100 // m))
+        return (best.micro_batches if best else None), [a.micro_batches for a in tried]
+
+    assert search(1) == (1, [1])  # fits as it is: one compile, the program the run uses
+    assert search(8) == (8, [1, 4, 8])
+    assert search(2) == (2, [1, 4, 2])
+    assert search(16) == (16, [1, 4, 8, 16])
+    assert search(32) == (None, [1, 4, 8, 16])
+
+
+def test_a_fixed_count_says_a_line_only_when_the_devices_or_the_count_changed():
+    from olmo_eqx.train.micro_batches import MicroBatchChoice
+
+    fixed = MicroBatchChoice(4, auto=False, devices=2, processes=1, device_kind="cpu", platform="cpu")
+    assert fixed.line() is None and fixed.line({"devices": 2, "micro_batches": 4}) is None
+    assert fixed.line({"devices": 8, "micro_batches": 1}) == "8 -> 2 devices: micro-batches 1 -> 4 (trainer.micro_batches=4, fixed)"
+    assert fixed.record() == {"devices": 2, "processes": 1, "device_kind": "cpu", "micro_batches": 4, "micro_batches_auto": False}
