@@ -98,8 +98,14 @@ class TrainerConfig:
     downstream_every: int = 0
     downstream: DownstreamConfig = DownstreamConfig()
     # Gradient accumulation: the global batch is split into this many sequential slices, so
-    # the batch (and the recipe) stays fixed when fewer devices hold less at a time.
-    micro_batches: int = 1
+    # the batch (and the recipe) stays fixed when fewer devices hold less at a time. auto: the
+    # fewest that fit on the devices the run has now, from XLA's compiled memory of the step
+    # against device_memory_gib (olmo_eqx/train/micro_batches.py; docs/training.md).
+    micro_batches: Union[int, Literal["auto"]] = "auto"
+    # The memory one device offers the train step, in GiB, for micro_batches=auto. null: the
+    # device's own limit (memory_stats()["bytes_limit"] on TPU and GPU); on CPU, which keeps
+    # none, the host's physical memory over its local devices.
+    device_memory_gib: Optional[float] = None
     # Seed of the model's initialisation (the data order has its own seed in `data`).
     seed: int = 0
     # Stop after this step with a checkpoint, as a preemption would; the schedule still
@@ -130,8 +136,10 @@ class TrainerConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches={self.micro_batches} must be >= 1")
+        if self.micro_batches != "auto" and self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches} must be >= 1, or auto (the fewest that fit)")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ValueError(f"device_memory_gib={self.device_memory_gib} must be > 0 (null: the device's own limit)")
         if self.log_every < 1:
             raise ValueError(f"log_every={self.log_every} must be >= 1")
         if self.eval_every < 0 or self.eval_batches < 1:
@@ -274,7 +282,11 @@ def _check(value, tp, key: str):
                 return _check(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}={value!r} fits none of {tp}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        arms = [f"one of {list(typing.get_args(a))}" if typing.get_origin(a) is Literal else f"of type {_type_name(a)}"
+                for a in args if a is not type(None)]
+        raise ConfigError(f"{key}={value!r} must be {' or '.join(arms)}")
     if value is None:
         raise ConfigError(f"{key} must not be null (expected {getattr(tp, '__name__', tp)})")
     if dataclasses.is_dataclass(tp):
@@ -364,11 +376,12 @@ def check_across_groups(config: Config) -> None:
     if bad := _numbers_out_of_range(config):
         raise ConfigError("; ".join(bad))
     batch, micro = config.data.global_batch_size, config.trainer.micro_batches
-    if batch % micro:
+    if micro != "auto" and batch % micro:
         choices = [m for m in range(1, batch + 1) if batch % m == 0]
         raise ConfigError(
             f"data.global_batch_size={batch} is not divisible by trainer.micro_batches={micro}: "
-            f"choose trainer.micro_batches from {choices} (or a global batch that {micro} divides)"
+            f"choose trainer.micro_batches from {choices}, or trainer.micro_batches=auto (the fewest that fit "
+            f"on the devices at hand), or a global batch that {micro} divides"
         )
     horizon = config.schedule.total_steps or config.trainer.steps
     if config.schedule.warmup_steps >= horizon:

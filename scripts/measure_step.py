@@ -8,7 +8,9 @@
 takes the overrides `python -m olmo_eqx.plan` takes, compiles the same train step with the
 planner's own code (`olmo_eqx.plan.compile_train_step`) for every local device (`jax.devices()`:
 a TPU, a GPU, or fake CPU devices), initialises the state in its shards, and runs that very
-executable on random tokens. It prints:
+executable on random tokens. With `trainer.micro_batches=auto` (the default) it first takes the
+fewest micro-batches that fit these devices, as a run would (against the device's
+`memory_stats()["bytes_limit"]`, or `trainer.device_memory_gib`). It prints:
 
 - the compiler's memory analysis of the program (per device), and the device's own count of
   the peak memory in use (`Device.memory_stats()`, where the platform keeps one);
@@ -111,6 +113,10 @@ def measure(
           f"attention {kernel}", flush=True)
 
     started = time.perf_counter()
+    if config.trainer.micro_batches == "auto":  # each count it compiles says so
+        from olmo_eqx.plan import compile as plan_compile
+
+        plan_compile._progress = lambda line: print(line, flush=True)  # noqa: E731
     try:
         step = compile_train_step(config, devices)
     except CompileRefused as refusal:
@@ -119,6 +125,17 @@ def measure(
         print(refusal.details, flush=True)
         return result
     result["compile_seconds"] = time.perf_counter() - started
+    if step.attempts:  # trainer.micro_batches=auto, as a run on these devices would choose
+        config = step.config
+        result["micro_batches"] = config.trainer.micro_batches
+        result["micro_batches_auto"] = [
+            {"micro_batches": a.micro_batches, "fits": a.fits, "needed": a.needed, "refused": a.refused} for a in step.attempts
+        ]
+        tried = ", ".join(f"{a.micro_batches}: " + ("refused" if a.needed is None else f"{a.needed / GIB:.2f} GiB")
+                          for a in sorted(step.attempts, key=lambda a: a.micro_batches))
+        print(f"trainer.micro_batches=auto chose {config.trainer.micro_batches} ({tried}; against "
+              f"{(devices[0].memory_stats() or {}).get('bytes_limit', 0) / GIB:.2f} GiB bytes_limit) in "
+              f"{result['compile_seconds']:.0f}s, all compiles", flush=True)
     if keep_hlo:
         import gzip
 

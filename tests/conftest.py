@@ -73,6 +73,7 @@ SLOWEST_FILES = (
     "test_trajectory_parity.py",
     "test_data_remote.py",
     "test_checkpoint.py",
+    "test_micro_batches.py",  # ~60 s: three runs on 8, 2 and 8 devices
     "test_lm_eval.py",
     "test_scale.py",
     "test_context_parallel.py",

@@ -192,8 +192,10 @@ def test_sigterm_saves_and_the_next_run_resumes(tmp_path, one_device):
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert re.search(r"^cluster: local, 1 process x 1 cpu device, mesh data=1 fsdp=1 ", output, re.M), output
-    # The first step's wait is announced as compilation, not left silent.
-    assert "compiling the train step: step 1's line comes once it has compiled and run" in output
+    # The first step's wait is announced as compilation, not left silent: trainer.micro_batches=auto
+    # compiles it before the banner, saying so, and the banner says the first step comes next.
+    assert "  trainer.micro_batches=auto: the train step, 1 micro-batch(es) of " in output
+    assert "compiled above (trainer.micro_batches=auto): step 1's line comes once it has run" in output
     if huge_pages.environment_with_huge_pages({"JAX_PLATFORMS": "cpu"}) is not None:
         # The command re-executed itself with the tunable (same pid: the signal reached the run).
         assert "host memory: GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in output, output

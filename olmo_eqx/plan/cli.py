@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from olmo_eqx.plan import compile
-from olmo_eqx.plan.compile import target_devices
+from olmo_eqx.plan.compile import _with, target_devices
 from olmo_eqx.plan.estimate import add_estimate
 from olmo_eqx.plan.layouts import search
 from olmo_eqx.plan.planner import plan_config
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         # The memory plan first: the estimate's compiles take as long again.
         result = plan_config(config, target, devices, estimate=False, hlo_path=options.hlo)
+        if isinstance(result.get("micro_batches"), int):  # trainer.micro_batches=auto: the count it chose
+            config = _with(config, micro_batches=result["micro_batches"])
         print(format_plan(result), flush=True)
         if estimate and target.chip and not result.get("refused"):
             if result.get("xla_cost_loop_free") is not None:

@@ -2,27 +2,19 @@
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from olmo_eqx.plan.targets import Target, gpu_devices, tpu_devices
+from olmo_eqx.train.memory import (  # noqa: F401  (CompileRefused and memory_bytes: the planner's names too)
+    Attempt, Budget, CompileRefused, compile_lowered, device_budget, fewest_that_fit, memory_bytes, micro_batch_candidates,
+    needed_bytes, size,
+)
 
 # Where compile_train_step says what it compiles and how long it took (main() prints it; a
 # plan from Python stays quiet).
 _progress: Optional[Callable[[str], None]] = None
 _compiles = 0
-
-
-class CompileRefused(Exception):
-    """The target's compiler refused the program (XLA:TPU: it does not fit in HBM).
-
-    `str()` is the compiler's verdict in a line; `details` its whole message (XLA:TPU lists
-    the program's largest allocations there)."""
-
-    def __init__(self, message: str, details: str = ""):
-        super().__init__(message)
-        self.details = details
 
 
 @dataclass
@@ -36,6 +28,10 @@ class CompiledStep:
     # The executable itself: `executable(batch, arrays)` runs it where the devices are real
     # (scripts/measure_step.py), `arrays` being the state's arrays (`eqx.filter(state, eqx.is_array)`).
     executable: object = None
+    # The config compiled: trainer.micro_batches=auto resolved to the count chosen.
+    config: object = None
+    # trainer.micro_batches=auto: every count compiled, fewest first (`olmo_eqx.train.memory.Attempt`).
+    attempts: list = dataclasses.field(default_factory=list)
 
 
 def target_devices(target: Target) -> list:
@@ -69,16 +65,6 @@ def _cost_analysis(compiled) -> dict:
     return {key: float(value) for key, value in (cost or {}).items() if "{" not in key}
 
 
-def _refusal(error: Exception) -> Optional[str]:
-    """The compiler's own out-of-memory message, in a line or two, or None for other errors."""
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
-        return None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    keep = [line for line in lines if "RESOURCE_EXHAUSTED" in line or "Ran out of memory" in line or "Exceeded" in line]
-    return " ".join(keep or lines[:1])[:600]
-
-
 # The estimate's compiles ask XLA for its counts only, never for the program the chip runs:
 # at the lowest execution-time effort XLA:TPU skips its costly scheduling and tuning passes.
 # A 190m one-layer program on v5e:2x2 then compiles in 12-21 s instead of 69-76 s, with the
@@ -86,11 +72,17 @@ def _refusal(error: Exception) -> Optional[str]:
 COUNTS_ONLY_EFFORT = -1.0
 
 
-def compile_train_step(config, devices, *, effort: Optional[float] = None) -> CompiledStep:
+def compile_train_step(config, devices, *, effort: Optional[float] = None, budget: Optional[Budget] = None) -> CompiledStep:
     """Lower and compile `config`'s train step for abstract inputs on `devices` (nothing allocated).
 
     `effort`: XLA's execution-time optimisation effort, -1 to 1; None keeps the compiler's
-    default, which is what the chip runs and what the memory plan must read."""
+    default, which is what the chip runs and what the memory plan must read.
+
+    trainer.micro_batches=auto compiles the fewest micro-batches that fit as a run on `devices`
+    would choose them (`olmo_eqx.train.micro_batches`), against `budget` (default: what the
+    devices offer, `olmo_eqx.train.memory.device_budget`); `CompileRefused` when none fits."""
+    if config.trainer.micro_batches == "auto":
+        return _fewest_micro_batches(config, devices, effort=effort, budget=budget)
     import equinox as eqx
     import jax
 
@@ -108,31 +100,52 @@ def compile_train_step(config, devices, *, effort: Optional[float] = None) -> Co
     what = (f"{model.n_layers} layers, remat {model.remat}, {config.trainer.micro_batches} micro-batch(es) of "
             f"{config.data.global_batch_size // config.trainer.micro_batches} x {config.data.sequence_length}")
     compiled = _compile(jax.jit(array_step, donate_argnums=1).lower(batch, arrays), what, effort)
-    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules, compiled)
+    return CompiledStep(compiled.memory_analysis(), _cost_analysis(compiled), compiled.as_text(), state, mesh, rules,
+                        compiled, config)
+
+
+def _fewest_micro_batches(config, devices, *, effort: Optional[float], budget: Optional[Budget]) -> CompiledStep:
+    """`compile_train_step` for trainer.micro_batches=auto: the fewest candidates that fit."""
+    import jax
+
+    from olmo_eqx.sharding import MESH_AXES, ShardingRules
+
+    platform = devices[0].platform
+    if budget is None:
+        local = sum(1 for d in devices if getattr(d, "process_index", 0) == jax.process_index())
+        budget = device_budget(devices[0], config.trainer.device_memory_gib, local)
+    sizes = dict(zip(MESH_AXES, config.mesh.shape(len(devices))))
+    shards = math.prod(sizes[axis] for axis in ShardingRules().batch)
+
+    def attempt(m: int) -> Attempt:
+        try:
+            step = compile_train_step(_with(config, micro_batches=m), devices, effort=effort)
+        except CompileRefused as refusal:
+            return Attempt(m, False, None, refused=str(refusal))
+        needed = needed_bytes(memory_bytes(step.memory), platform)
+        return Attempt(m, needed <= budget.bytes, needed, payload=step)
+
+    best, attempts = fewest_that_fit(micro_batch_candidates(config.data.global_batch_size, shards), attempt)
+    if best is None:
+        last = max(attempts, key=lambda a: a.micro_batches)
+        need = f"needs {size(last.needed)} per device" if last.needed is not None else f"is refused ({last.refused})"
+        raise CompileRefused(
+            f"trainer.micro_batches=auto: nothing fits: {last.micro_batches} micro-batches, the most the batch allows, "
+            f"{need}, against {size(budget.bytes)} ({budget.source})"
+        )
+    step = best.payload
+    for a in attempts:
+        a.payload = None  # the executables of the other counts are not kept
+    step.attempts = attempts
+    return step
 
 
 def _compile(lowered, what: str, effort: Optional[float]):
-    """Compile `lowered`, saying what and how long (`_progress`); the compiler's out-of-memory
-    refusal becomes `CompileRefused`. `effort`: as for `compile_train_step`."""
+    """Compile `lowered`, saying what and how long (`_progress`), numbered; the compiler's
+    out-of-memory refusal becomes `CompileRefused`. `effort`: as for `compile_train_step`."""
     global _compiles
     _compiles += 1
-    if effort is not None:
-        what += f", optimisation effort {effort:g} (XLA's counts only)"
-    if _progress:
-        _progress(f"  compile {_compiles}: {what} ...")
-    started = time.perf_counter()
-    options = None if effort is None else {"exec_time_optimization_effort": effort}
-    try:
-        compiled = lowered.compile(compiler_options=options)
-    except Exception as e:
-        if (message := _refusal(e)) is not None:
-            if _progress:
-                _progress(f"  compile {_compiles}: refused by the compiler after {time.perf_counter() - started:.0f} s")
-            raise CompileRefused(message, str(e)) from None
-        raise
-    if _progress:
-        _progress(f"  compile {_compiles}: done in {time.perf_counter() - started:.0f} s")
-    return compiled
+    return compile_lowered(lowered, what, effort=effort, progress=_progress, label=f"compile {_compiles}")
 
 
 def _abstract_step(config, devices):
@@ -189,22 +202,6 @@ def once_per_step_cost(config, devices, *, effort: Optional[float] = COUNTS_ONLY
     lowered = jax.jit(once, donate_argnums=(0, 1)).lower(grads, arrays)
     cost = _cost_analysis(_compile(lowered, f"the once-per-step update of {config.model.n_layers} layers", effort))
     return {**cost, "gradient bytes": float(_per_device_bytes(grads))}
-
-
-def memory_bytes(memory) -> dict:
-    """XLA's memory analysis of one device's program, per kind, and their sum ("total": what
-    XLA:CPU and XLA:GPU need; XLA:TPU holds its temporaries alone against HBM, see plan_config)."""
-    arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
-    aliased, temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
-    return {
-        "arguments": arguments,
-        "outputs": outputs,
-        "aliased": aliased,
-        "temporaries": temporaries,
-        # Donated arguments are aliased by the outputs: counted once.
-        "total": arguments + outputs - aliased + temporaries,
-        "host": getattr(memory, "host_temp_size_in_bytes", 0) + getattr(memory, "host_argument_size_in_bytes", 0),
-    }
 
 
 def _is_abstract(x) -> bool:

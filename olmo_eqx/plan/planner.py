@@ -6,11 +6,12 @@ import time
 from typing import Optional
 
 from olmo_eqx.plan.compile import (
-    CompileRefused, _batch_shards, _per_device_bytes, compile_train_step, memory_bytes, target_devices,
+    CompileRefused, _batch_shards, _per_device_bytes, _with, compile_train_step, memory_bytes, target_devices,
 )
 from olmo_eqx.plan.estimate import _experts, add_estimate
 from olmo_eqx.plan.hlo import _BYTES, collective_traffic
 from olmo_eqx.plan.targets import Target, parse_target
+from olmo_eqx.train.memory import Budget
 
 GIB = 1024**3
 _WHILE = re.compile(r"\bwhile\(")
@@ -28,9 +29,15 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
     from olmo_eqx.train.state import TrainState
 
     model, data = config.model, config.data
+    chip = target.per_device
+    auto_note = None
+    if config.trainer.micro_batches == "auto" and chip is None and config.trainer.device_memory_gib is None:
+        # Fake CPU devices stand for some accelerator: the host's memory says nothing of it.
+        config = _with(config, micro_batches=1)
+        auto_note = ("trainer.micro_batches=auto planned with 1 micro-batch: a cpu target has no device memory to fit "
+                     "(set trainer.device_memory_gib, or plan for a tpu:/gpu: target)")
     kernel = resolve_implementation(model.attention_impl, jnp.dtype(model.compute_dtype), target.platform)
     tokens = data.global_batch_size * data.sequence_length
-    chip = target.per_device
     result = {
         "target": target.spec,
         "target_description": target.describe(),
@@ -51,13 +58,22 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
         "model_flops_per_device": flops_per_token(model, data.sequence_length) * tokens / len(devices),
         "warnings": [],
     }
+    if auto_note:
+        result["micro_batches_note"] = auto_note
     started = time.perf_counter()
+    budget = Budget(int(chip.hbm_bytes), f"the HBM of a {target.spec} device") if chip else None
     try:
-        step = compile_train_step(config, devices)
+        step = compile_train_step(config, devices, budget=budget)
     except CompileRefused as refusal:
         result.update(fits=False, refused=str(refusal), compile_seconds=time.perf_counter() - started)
         return result
     result["compile_seconds"] = time.perf_counter() - started
+    if step.attempts:  # trainer.micro_batches=auto: the count chosen, and what each tried needed
+        config = step.config
+        result["micro_batches"] = config.trainer.micro_batches
+        result["micro_batches_auto"] = [
+            {"micro_batches": a.micro_batches, "fits": a.fits, "needed": a.needed, "refused": a.refused} for a in step.attempts
+        ]
     if hlo_path:
         with open(hlo_path, "w") as f:
             f.write(step.hlo)

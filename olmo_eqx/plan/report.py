@@ -2,6 +2,7 @@
 
 from olmo_eqx.plan.estimate import step_seconds
 from olmo_eqx.plan.planner import ACCELERATORS, GIB
+from olmo_eqx.train.memory import size
 
 # Published MFU figures (MaxText's OLMo 3 reproduction), shown beside the estimates of a plan of
 # the same model only: (model name, figure).
@@ -66,6 +67,13 @@ def format_plan(p: dict) -> str:
         f"{'refused' if p.get('refused') else 'compiled'} in {p['compile_seconds']:.0f} s",
         "",
     ]
+    if tried := p.get("micro_batches_auto"):
+        said = ", ".join(f"{a['micro_batches']} " + ("fits" if a["fits"] else "refused" if a["needed"] is None else "does not fit")
+                         + (f" ({size(a['needed'])})" if a["needed"] is not None else "")
+                         for a in sorted(tried, key=lambda a: a["micro_batches"]))
+        lines.insert(-1, f"trainer.micro_batches=auto: {p['micro_batches']} ({said})")
+    elif p.get("micro_batches_note"):
+        lines.insert(-1, p["micro_batches_note"])
     hbm = p.get("hbm_per_device")
     if p.get("refused"):
         lines.append(f"does NOT fit: the compiler refused it: {p['refused']}")

@@ -69,7 +69,11 @@ from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
 from olmo_eqx.run.signals import any_process, ignore_signals_after_completion, stop_on_signals
 from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state
-from olmo_eqx.train.setup import InitState, _checkpoint_dir, _never_uploaded, _one_writer, _restore_or_init
+from olmo_eqx.train.memory import compiler_refusal
+from olmo_eqx.train.micro_batches import MicroBatchChoice, choose_micro_batches
+from olmo_eqx.train.setup import (
+    InitState, _checkpoint_dir, _never_uploaded, _one_writer, _restore_or_init, previous_session,
+)
 from olmo_eqx.train.step import make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput
 
@@ -155,11 +159,19 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         )
         try:
             notes = list(notes)
-            state, loader, start_step, health = _restore_or_init(
+            state, loader, start_step, health, stored_config = _restore_or_init(
                 config, checkpointer, dataset, mesh, rules, init_state, notes
             )
             notes.extend(_never_uploaded(checkpointer, start_step))
-            config_dict = config_to_dict(config)
+            # Refused (nothing fits) before anything in the run dir is written.
+            say = (lambda line: print(line, flush=True)) if main_process else None  # noqa: E731
+            previous = previous_session(stored_config)
+            trains = start_step < (config.trainer.stop_at or config.trainer.steps)
+            choice = choose_micro_batches(config, state, mesh, rules, schedule, dataset, progress=say, previous=previous,
+                                          trains=trains)
+            if line := choice.line(previous):
+                notes.append(line)
+            config_dict = {**config_to_dict(config), "session": choice.record()}
             out = RunDir(run_dir, enabled=main_process, log_name=LOG_FILE, loggers=config.trainer.loggers,
                          sink_config=config_dict)
             try:
@@ -174,7 +186,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
                              mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started,
-                             health=health, downstream=downstream)
+                             health=health, downstream=downstream, choice=choice)
                 loop.banner(mesh)
                 summary = loop.run()
             except DataFileError as e:  # token ids out of range, found as the batch is read
@@ -198,7 +210,7 @@ class _Loop:
     carries between steps lives on this object, each piece of host-side work is one method."""
 
     def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule,
-                 checkpointer, started, health: SaveHealth, downstream=None):
+                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
         self.start_step, self.started = start_step, started
         trainer, data = config.trainer, config.data
@@ -212,7 +224,12 @@ class _Loop:
             self.eval_batches[heldout_set.name] = [
                 global_batch_arrays(b, self.sharding, **self.documents) for b in islice(batches, trainer.eval_batches)
             ]
-        self.train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=trainer.micro_batches)
+        if choice is None:
+            choice = MicroBatchChoice(trainer.micro_batches, auto=False, devices=jax.device_count(),
+                                      processes=jax.process_count(), device_kind=jax.devices()[0].device_kind,
+                                      platform=jax.devices()[0].platform)
+        self.choice = choice
+        self.train_step = make_train_step(config.optim, schedule, mesh=mesh, rules=rules, micro_batches=choice.micro_batches)
         self.eval_step = make_eval_step(mesh, rules)
         # Downstream tasks on the live model (olmo_eqx.evaluation.inloop), or None.
         self.downstream = downstream
@@ -225,7 +242,7 @@ class _Loop:
         # A checkpoint already past the end (trainer.stop_at below it) is where the run stays:
         # nothing is trained, and the summary names that checkpoint.
         self.end_step = max(trainer.stop_at or trainer.steps, start_step)
-        self.config_dict = config_to_dict(config)
+        self.config_dict = {**config_to_dict(config), "session": choice.record()}
         self.last_saved = start_step if start_step else None
         self.guard = DivergenceGuard(
             history=int(jax.device_get(state.history_count)),
@@ -272,7 +289,7 @@ class _Loop:
                     except Interrupted:  # a signal while a slow server held the batch: stop at the last step
                         interrupted, self.end_step = stop.signal, step - 1
                         break
-                    self.state, metrics = self.train_step(self.state, batch)
+                    self.state, metrics = self.step(self.state, batch)
                     profiler.after_step(step, metrics)
                     checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
                     if pending is not None:  # the previous step's metrics, one step late
@@ -348,7 +365,26 @@ class _Loop:
             self.out.print(f"host memory: {huge_pages.describe()}")
         # Else the first step's silence (seconds to minutes) looks like a hang.
         if self.start_step < self.end_step:
-            self.out.print(f"compiling the train step: step {self.start_step + 1}'s line comes once it has compiled and run")
+            when = ("compiled above (trainer.micro_batches=auto): step {}'s line comes once it has run" if self.choice.auto
+                    else "compiling the train step: step {}'s line comes once it has compiled and run")
+            self.out.print(when.format(self.start_step + 1))
+
+    def step(self, state, batch):
+        """One train step; a device that runs out of memory stops the run with one line."""
+        try:
+            return self.train_step(state, batch)
+        except Exception as e:
+            if (refusal := compiler_refusal(e)) is None:
+                raise
+            choice = self.choice
+            fix = ("XLA's memory analysis said it fits: set trainer.device_memory_gib below the device's memory to "
+                   "leave room" if choice.auto else
+                   "set trainer.micro_batches=auto to take the fewest micro-batches that fit")
+            raise TrainError(
+                f"the train step does not fit on {choice.devices} {choice.platform} device(s) with "
+                f"{choice.micro_batches} micro-batch(es) (trainer.micro_batches={'auto' if choice.auto else choice.micro_batches}): "
+                f"{refusal}. {fix}, or run on more devices, or lower model.remat (full keeps least); the checkpoints are intact"
+            ) from None
 
     def write(self, record: dict) -> None:
         self.history.append(record)
@@ -408,7 +444,8 @@ class _Loop:
                 entry.update(reader.stats)
             if first or step % trainer.log_every == 0 or step == self.end_step:
                 if rate is None:
-                    speed = f"first step (with compilation) {time.perf_counter() - self.loop_started:.1f}s"
+                    compiled = "compiled before it, trainer.micro_batches=auto" if self.choice.auto else "with compilation"
+                    speed = f"first step ({compiled}) {time.perf_counter() - self.loop_started:.1f}s"
                 else:
                     speed = f"{rate:,.0f} tok/s" + (f" | MFU {100 * utilisation:.1f}%" if utilisation else "")
                 self.out.print(
@@ -476,6 +513,9 @@ class _Loop:
             "tokens_per_s_wall": (end_step - self.start_step) * self.throughput.tokens_per_step / wall if wall else None,
             "wall_time_s": wall,
             "devices": jax.device_count(),
+            # This session's count: trainer.micro_batches, or what auto chose (and why).
+            "micro_batches": self.choice.micro_batches,
+            "micro_batches_auto": self.choice.line() if self.choice.auto else None,
             "checkpoint": str(self.checkpointer.directory / str(end_step)) if diverged is None else None,
             "run_dir": str(self.out.path),
         }

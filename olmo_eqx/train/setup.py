@@ -7,6 +7,7 @@ import socket
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import jax
 from jax.sharding import Mesh
@@ -54,8 +55,9 @@ def _checkpoint_dir(config: Config, run_dir: Path) -> str:
 def _restore_or_init(
     config: Config, checkpointer: Checkpointer, dataset: InstanceDataset, mesh: Mesh, rules: ShardingRules,
     init_state: InitState, notes: list[str],
-) -> tuple[TrainState, DataLoader, int, SaveHealth]:
-    """(state, loader, step, health): from the newest checkpoint that verifies, else fresh.
+) -> tuple[TrainState, DataLoader, int, SaveHealth, Optional[dict]]:
+    """(state, loader, step, health, the run config saved with the checkpoint resumed or None):
+    from the newest checkpoint that verifies, else fresh.
 
     Raises `TrainError` for every refusal (other model, data, seed, batch, sequence length)
     before the caller writes anything into the run dir. A checkpoint that fails verification
@@ -109,7 +111,19 @@ def _restore_or_init(
         notes.append(_resume_changes_note(changed, config.checkpoint.accept_changes, checkpoint))
     if state is None:
         state = init_state(config, mesh, rules)
-    return state, loader, start_step, health
+    return state, loader, start_step, health, stored_config
+
+
+def previous_session(stored_config: Optional[dict]) -> Optional[dict]:
+    """What the session that saved a checkpoint recorded of itself (`MicroBatchChoice.record`:
+    devices, micro-batches), from the run config saved with it; an older olmo_eqx recorded only
+    its `trainer.micro_batches`. None for a fresh start."""
+    if not stored_config:
+        return None
+    if isinstance(stored_config.get("session"), dict):
+        return stored_config["session"]
+    micro = (stored_config.get("trainer") or {}).get("micro_batches")
+    return {"micro_batches": micro} if isinstance(micro, int) else None
 
 
 def _resume_changes_note(changed: dict, accepted: tuple[str, ...], checkpoint: str) -> str:

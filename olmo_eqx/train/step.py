@@ -162,7 +162,8 @@ def make_train_step(
     """Build `train_step(state, batch) -> (state, metrics)`; `state` is donated (don't reuse it).
 
     `train_step.step` is the same step unjitted, as `step(batch, state)`: what the memory
-    planner lowers for abstract shapes. `train_step.once_per_step(grads, state)` is the part
+    planner lowers for abstract shapes. `train_step.lower(state, batch)` lowers the jitted step
+    for those arguments (what `trainer.micro_batches=auto` compiles and measures). `train_step.once_per_step(grads, state)` is the part
     of it that runs once whatever the micro-batches (the weights' cast, the update), unjitted,
     for the planner's estimate to count apart.
 
@@ -191,6 +192,9 @@ def make_train_step(
         return jitted((batch, schedule), state)
 
     train_step.step = lambda batch, state: step((batch, schedule), state)
+    # Lowered for these very arguments (`.compile()` then reads XLA's memory analysis): the
+    # program a later `train_step(state, batch)` of the same shapes and layouts runs, compiled once.
+    train_step.lower = lambda state, batch: jitted.lower((batch, schedule), state)
     train_step.once_per_step = lambda grads, state: once_per_step(grads, state, schedule)
     return train_step
 
