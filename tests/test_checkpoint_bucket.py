@@ -5,11 +5,13 @@ emulation of GCS's JSON API. Each process uploads the files it wrote, process 0 
 step once all landed; a resume on another process count reads it; a process killed mid-upload
 leaves no committed step lacking a file."""
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from typing import Optional
 
 import pytest
 
@@ -59,11 +61,38 @@ def every_committed_step_is_whole(url: str) -> None:
             assert listed.get(name) == entry["size"], (step, name)
 
 
-def two_processes(url: str, run_dir, staging, *extra: str, wrap: str = "") -> list:
-    """Start the command on 2 processes x 2 devices, each with its own staging dir."""
-    command = [sys.executable, "-m", "olmo_eqx"] if not wrap else [sys.executable, "-c", wrap]
+# `python -m olmo_eqx` whose uploads of step $STALL_AT's files stall from the third one on
+# (after printing STALLED), so that the test can kill the process mid-upload.
+STALLING = """
+import os, runpy, sys, threading, time
+from olmo_eqx.checkpoint import remote
+stall_at, calls, lock = os.environ.get("STALL_AT"), [], threading.Lock()
+def stalling(put):
+    def put_file(self, name, path):
+        if stall_at and name.startswith(stall_at + "/"):
+            with lock:
+                calls.append(name)
+                if len(calls) == 3:
+                    print("STALLED", flush=True)
+            if len(calls) >= 3:
+                time.sleep(600)
+        return put(self, name, path)
+    return put_file
+remote.S3Objects.put_file = stalling(remote.S3Objects.put_file)
+remote.GcsObjects.put_file = stalling(remote.GcsObjects.put_file)
+sys.argv[0] = "olmo_eqx"
+runpy.run_module("olmo_eqx", run_name="__main__", alter_sys=True)
+"""
+
+
+def two_processes(url: str, run_dir, staging, *extra: str, stall_at: Optional[int] = None) -> list:
+    """Start the command on 2 processes x 2 devices, each with its own staging dir (process 1's
+    uploads of step `stall_at` stall: `STALLING`)."""
+    command = [sys.executable, "-m", "olmo_eqx"] if stall_at is None else [sys.executable, "-c", STALLING]
     args = [*command, *ARGS, f"checkpoint.dir={url}", f"hydra.run.dir={run_dir}", *extra]
     environments = [{"OLMO_EQX_CHECKPOINT_STAGING": str(staging / f"host{i}")} for i in range(2)]
+    if stall_at is not None:
+        environments[1]["STALL_AT"] = str(stall_at)
     return launch_local_cluster(args, merge_stderr=True, environments=environments)
 
 
@@ -91,7 +120,7 @@ def test_two_processes_save_to_the_bucket_and_another_process_count_resumes(stor
     """2 processes save step 4 (each uploads its own shards, one commit); 1 process resumes
     from it and saves step 8; on S3, 2 processes resume from that one-process step (2 -> 1 -> 2).
     The losses are the uninterrupted run's."""
-    request.getfixturevalue(store)
+    client = request.getfixturevalue(store)  # S3: the boto3 client the test inspects with
     url = f"s3://{BUCKET}/spread" if store == "s3" else "gs://ckpts/spread"
     run_dir = tmp_path / "run"
     first = finish(two_processes(url, run_dir, tmp_path / "a", "trainer.stop_at=4"))
@@ -110,9 +139,39 @@ def test_two_processes_save_to_the_bucket_and_another_process_count_resumes(stor
     one_process(url, run_dir, tmp_path / "b", "trainer.stop_at=8")
     assert committed_steps(url) == [4, 8]
     assert_losses_continue(run_dir, reference, range(1, 9))
-    if store == "s3":
-        out = finish(two_processes(url, run_dir, tmp_path / "c"))
-        assert f"Resuming from {url}/8 (step 8)" in out[0]
-        assert committed_steps(url) == [8, 12]  # keep_last=2
-        every_committed_step_is_whole(url)
-        assert_losses_continue(run_dir, reference, range(1, 13))
+    if store == "gcs":
+        return
+
+    # 1 -> 2: two processes resume from the one-process step; process 1 is killed (SIGKILL)
+    # mid-upload of step 12, once process 0's part has landed: no commit of step 12.
+    from olmo_eqx.checkpoint.remote import STAGED_RECORD
+
+    processes = two_processes(url, run_dir, tmp_path / "c", stall_at=12)
+    for line in processes[1].stdout:
+        if line.startswith("STALLED"):
+            break
+    else:
+        pytest.fail(f"process 1 never reached step 12's upload: {finish(processes)}")
+    os.kill(processes[1].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while "12/digests.json" not in keys(client, "spread/") and time.monotonic() < deadline:
+        time.sleep(0.5)  # process 0 uploads its part (its digests.json among them), then waits
+    time.sleep(2)
+    assert "12/digests.json" in keys(client, "spread/") and "12/committed.json" not in keys(client, "spread/")
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)  # the job is lost
+        process.communicate()
+    assert committed_steps(url) == [4, 8]
+    every_committed_step_is_whole(url)
+    record = json.loads((run_dir / STAGED_RECORD).read_text())
+    assert list(record) == ["12"] and record["12"]["processes"] == 2
+
+    # One rerun of the same processes with their staging dirs uploads step 12 first, and
+    # resumes from it (nothing is left to train); the losses are those of the uninterrupted run.
+    out = finish(two_processes(url, run_dir, tmp_path / "c"))
+    assert f"Resuming from {url}/12 (step 12)" in out[0], out[0][-3000:]
+    assert committed_steps(url) == [8, 12]  # keep_last=2
+    every_committed_step_is_whole(url)
+    assert_losses_continue(run_dir, reference, range(1, 13))
+    assert not (run_dir / STAGED_RECORD).exists()

@@ -3,6 +3,7 @@ through Orbax's CheckpointManager (the format: `olmo_eqx/checkpoint/__init__.py`
 upkeep is `local_steps.LocalSteps`, its object-store side `object_store.ObjectStoreSteps`."""
 
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -46,6 +47,12 @@ def _own_files_handlers() -> dict:
     )
     arrays = {name: ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry) for name in ("model", "train")}
     return {**arrays, **{name: ocp.JsonCheckpointHandler() for name in _ITEMS if name not in arrays}}
+
+
+def _no_ocdbt_merge_notice(record: logging.LogRecord) -> bool:
+    """Orbax's finalize tries its OCDBT merge whatever the format, and without OCDBT (every
+    save of a spread run) warns that it found nothing to merge: noise at every save."""
+    return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
 class Checkpointer(LocalSteps, ObjectStoreSteps):
@@ -114,9 +121,11 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
                 cleanup_tmp_directories=not read_only,
             )
             items = {"item_handlers": _own_files_handlers()} if self.spread else {"item_names": _ITEMS}
+            if self.spread:
+                logging.getLogger("absl").addFilter(_no_ocdbt_merge_notice)  # once: the same function
             self._manager = _listed(lambda: ocp.CheckpointManager(orbax_dir, options=options, **items))
-        if self.remote is not None and not read_only:
-            self._upload_pending()
+        if self.remote is not None and not read_only and self._upload_pending():
+            self._prune()  # retention, as after any upload
 
     # -- queries -----------------------------------------------------------------------------
 

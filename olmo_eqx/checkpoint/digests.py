@@ -120,11 +120,15 @@ def _share(sizes: dict[str, int], count: int) -> list[list[str]]:
     return shares
 
 
-def verify_digests(step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> Optional[int]:
+def verify_digests(
+    step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1), present_only: bool = False
+) -> Optional[int]:
     """Check the files `digests.json` lists; the number checked, or None without a manifest.
 
     part: (index, count): check only share `index` of `count` shares of about equal bytes,
     so `count` processes share the work, each file checked by exactly one of them.
+    present_only: check only the listed files that `step_dir` holds (one process's part of a
+    step whose other files are on other hosts; the caller checks that the parts cover it).
     Raises `DigestMismatch` naming the first file that is missing, has another size or
     another digest (or a manifest that cannot be read).
     """
@@ -142,6 +146,8 @@ def verify_digests(step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1)) 
         raise DigestMismatch(DIGEST_FILE, f"unknown digest algorithm {algorithm!r}")
     index, count = part
     mine = _share({name: int(entry["size"]) for name, entry in files.items()}, count)[index]
+    if present_only:
+        mine = [name for name in mine if (step_dir / name).is_file()]
     for name in mine:  # sizes first: cheap, and a truncated file is named as such
         try:
             size = (step_dir / name).stat().st_size

@@ -58,6 +58,8 @@ class ObjectStoreSteps:
         """Upload the committed staged step (`remote.RemoteSteps.upload`), then drop
         the staged copies of steps the store holds."""
         staged = self._local / str(step)
+        if self.spread and jax.process_index() != 0:
+            staged = self._local  # this process's part: a tmp dir there
         try:
             if self.spread:
                 self._upload_parts(step)
@@ -66,7 +68,7 @@ class ObjectStoreSteps:
         except (ObjectStoreError, OSError, ValueError) as e:
             raise CheckpointSaveError(
                 f"uploading checkpoint step {step} to {self.directory / str(step)} failed: {e}. It was not committed "
-                f"there (no {COMMITTED_OBJECT}); the staged copy is kept at {staged}. Fix the store or its "
+                f"there (no {COMMITTED_OBJECT}); the staged copy is kept in {staged}. Fix the store or its "
                 "credentials, then rerun to resume from the last committed step"
             ) from e
         self._verified.add(step)
@@ -124,13 +126,13 @@ class ObjectStoreSteps:
         self._verified.add(step)
         return True
 
-    def _upload_pending(self) -> None:
+    def _upload_pending(self) -> bool:
         """Upload the staged steps a killed run committed locally but never uploaded (the upload
-        runs at the next save or the close), once they still verify: nothing saved is lost."""
+        runs at the next save or the close), once they still verify: nothing saved is lost.
+        Whether any was uploaded."""
         if self.spread:
-            self._upload_pending_parts()
-            return
-        held = set(self.remote.committed_steps())
+            return self._upload_pending_parts()
+        held, uploaded = set(self.remote.committed_steps()), False
         for path in sorted((p for p in self._local.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
             step = int(path.name)
             if step in held:
@@ -144,6 +146,8 @@ class ObjectStoreSteps:
                 continue  # in the way of a save of this step, it is set aside then
             logging.getLogger(__name__).warning("uploading checkpoint step %d, staged at %s but never uploaded", step, path)
             self._upload(step)
+            uploaded = True
+        return uploaded
 
     def _staged_manifests(self) -> dict[str, dict]:
         """Process 0: {step: the files of its digests.json} of each staged step committed there,
@@ -157,19 +161,19 @@ class ObjectStoreSteps:
             if not (path / COMMIT_MARKER).exists() or not has_digests(path) or SET_ASIDE_OBJECT in self.remote.occupied(step):
                 continue
             try:
-                verify_digests(path)
+                verify_digests(path, present_only=True)  # the other processes' files are on their hosts
             except DigestMismatch:
                 continue
             found[str(step)] = json.loads((path / DIGEST_FILE).read_text())["files"]
         return found
 
-    def _upload_pending_parts(self) -> None:
+    def _upload_pending_parts(self) -> bool:
         """`_upload_pending` for a spread run (a collective): a step process 0 committed in its
         staging dir is uploaded once the processes' parts, each matching the step's manifest,
         hold every file of it (the same processes on the same hosts, with their staging dirs);
         the parts of other steps, which no commit will ever count, are removed."""
         pending = {int(step): files for step, files in agree("pending_uploads", self._staged_manifests).items()}
-        first = jax.process_index() == 0
+        first, uploaded = jax.process_index() == 0, False
         if not first:
             for path in self._local.glob("*.orbax-checkpoint-tmp*"):
                 if not path.name.split(".")[0].isdigit() or int(path.name.split(".")[0]) not in pending:
@@ -194,6 +198,8 @@ class ObjectStoreSteps:
             if first:
                 logging.getLogger(__name__).warning("uploading checkpoint step %d, staged but never uploaded", step)
             self._upload(step)
+            uploaded = True
+        return uploaded
 
     def _verify_remote(self, step: int) -> bool:
         """Download committed step `step` into the staging dir and check it (a fresh copy each

@@ -61,6 +61,8 @@ COMMITTED = "committed.json"
 SET_ASIDE_MARKER = "set_aside.json"
 SET_ASIDE_PREFIX = "set_aside"
 SCHEMES = ("s3://", "gs://")
+# Tries of one GCS request that failed transiently (429, 5xx, a dropped connection).
+GCS_ATTEMPTS = 4
 # Objects uploaded at once by one process (a step has a file per array and per shard).
 UPLOAD_THREADS = 8
 
@@ -200,6 +202,18 @@ class S3Objects:
         self._call(f"delete of {name}", self._client.delete_object, Bucket=self.bucket, Key=self._key(name))
 
 
+def _transient(error: OSError) -> bool:
+    """A failure GCS asks clients to retry with backoff: 408, 429, 5xx, a dropped connection.
+    Every request here is idempotent (a media upload replaces the object whole). Refused
+    connections, unknown hosts and timeouts are answered at once: retrying would only wait."""
+    status = getattr(error, "code", None)
+    if isinstance(status, int):
+        return status in (408, 429) or status >= 500
+    reason = getattr(error, "reason", error)
+    return isinstance(reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)) or (
+        type(reason).__name__ == "RemoteDisconnected")
+
+
 class GcsObjects:
     """The objects under `gs://bucket/prefix`, through GCS's JSON API (the standard library's
     HTTP client; a bearer token from Application Default Credentials when configured)."""
@@ -223,14 +237,19 @@ class GcsObjects:
                 self._credentials.refresh(google.auth.transport.requests.Request())
             headers["Authorization"] = f"Bearer {self._credentials.token}"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=300) as response:
-                return response.read()
-        except OSError as e:
-            raise ObjectStoreError(
-                f"checkpoint store {self.url}: {what} failed: {e}. Check the bucket and the credentials "
-                "(gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
-            ) from e
+        for attempt in range(GCS_ATTEMPTS):
+            try:
+                with urllib.request.urlopen(request, timeout=300) as response:
+                    return response.read()
+            except OSError as e:
+                if attempt + 1 < GCS_ATTEMPTS and _transient(e):
+                    time.sleep(0.5 * 2**attempt)
+                    continue
+                raise ObjectStoreError(
+                    f"checkpoint store {self.url}: {what} failed: {e}. Check the bucket and the credentials "
+                    "(gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
+                ) from e
+        raise AssertionError("unreachable")
 
     def _object(self, name: str) -> str:
         return f"{self.endpoint}/storage/v1/b/{self.bucket}/o/{urllib.parse.quote(self.prefix + name, safe='')}"
