@@ -115,14 +115,12 @@ def assert_losses_continue(run_dir, reference, steps) -> None:
         assert got[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-5), step
 
 
-@pytest.mark.parametrize("store", ["s3", "gcs"])
-def test_two_processes_save_to_the_bucket_and_another_process_count_resumes(store, reference, tmp_path, request):
+def test_two_processes_save_to_s3_resume_on_one_then_two_and_a_kill_mid_upload_commits_nothing(s3, reference, tmp_path):
     """2 processes save step 4 (each uploads its own shards, one commit); 1 process resumes
-    from it and saves step 8; on S3, 2 processes resume from that one-process step (2 -> 1 -> 2).
-    The losses are the uninterrupted run's."""
-    client = request.getfixturevalue(store)  # S3: the boto3 client the test inspects with
-    url = f"s3://{BUCKET}/spread" if store == "s3" else "gs://ckpts/spread"
-    run_dir = tmp_path / "run"
+    from it and saves step 8; 2 processes resume from that one-process step (2 -> 1 -> 2), and
+    process 1 is killed mid-upload of step 12: not committed; one rerun of the same processes
+    uploads it from their staging dirs. The losses are the uninterrupted run's."""
+    client, url, run_dir = s3, f"s3://{BUCKET}/spread", tmp_path / "run"
     first = finish(two_processes(url, run_dir, tmp_path / "a", "trainer.stop_at=4"))
     assert committed_steps(url) == [4]
     every_committed_step_is_whole(url)
@@ -139,8 +137,6 @@ def test_two_processes_save_to_the_bucket_and_another_process_count_resumes(stor
     one_process(url, run_dir, tmp_path / "b", "trainer.stop_at=8")
     assert committed_steps(url) == [4, 8]
     assert_losses_continue(run_dir, reference, range(1, 9))
-    if store == "gcs":
-        return
 
     # 1 -> 2: two processes resume from the one-process step; process 1 is killed (SIGKILL)
     # mid-upload of step 12, once process 0's part has landed: no commit of step 12.
@@ -175,3 +171,27 @@ def test_two_processes_save_to_the_bucket_and_another_process_count_resumes(stor
     every_committed_step_is_whole(url)
     assert_losses_continue(run_dir, reference, range(1, 13))
     assert not (run_dir / STAGED_RECORD).exists()
+
+
+def test_on_gcs_two_processes_resume_a_one_process_run_each_verifying_what_it_reads(gcs, reference, tmp_path):
+    """1 -> 2 processes on GCS's JSON API: a one-process run saves steps 4 and 8; step 8's
+    largest object is damaged in the bucket. Both processes download and verify it, agree it is
+    unusable, step 8 is marked set aside once and both resume from step 4; their step 8 and 12
+    are committed (the marked objects copied aside first), with the uninterrupted run's losses."""
+    url, run_dir, bucket_dir = "gs://ckpts/spread", tmp_path / "run", tmp_path / "served" / "ckpts" / "spread"
+    one_process(url, run_dir, tmp_path / "a", "trainer.stop_at=8")
+    assert committed_steps(url) == [4, 8]
+    weights = max((p for p in (bucket_dir / "8" / "model").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[40:48] = bytes(8)
+    weights.write_bytes(bytes(data))
+
+    out = finish(two_processes(url, run_dir, tmp_path / "b"))
+    damaged = weights.relative_to(bucket_dir / "8").as_posix()
+    assert (f"checkpoint {url}/8 (step 8) is unusable: {damaged}: contents changed since the save (sha256 differs, "
+            f"same size); set aside: {url}/8/set_aside.json; falling back to step 4") in out[0], out[0][-3000:]
+    assert f"Resuming from {url}/4 (step 4)" in out[0]
+    assert committed_steps(url) == [8, 12]
+    every_committed_step_is_whole(url)
+    assert [p.name.split("-")[0] for p in (bucket_dir / "set_aside").iterdir()] == ["8"]
+    assert_losses_continue(run_dir, reference, range(1, 13))

@@ -353,7 +353,8 @@ class RemoteSteps:
 
     def occupied(self, step: int) -> dict[str, int]:
         """The objects under `<url>/<step>/` (committed or not)."""
-        return self._by_step().get(step, {})
+        head = f"{step}/"
+        return {name[len(head):]: size for name, size in self.store.list(head).items()}
 
     def check_owner(self) -> None:
         """A prefix this process claimed for a run dir that another run dir has claimed since
