@@ -162,6 +162,17 @@ def test_two_processes_save_to_s3_resume_on_one_then_two_and_a_kill_mid_upload_c
     every_committed_step_is_whole(url)
     record = json.loads((run_dir / STAGED_RECORD).read_text())
     assert list(record) == ["12"] and record["12"]["processes"] == 2
+    # A rerun elsewhere (another staging dir) would resume from step 8, and says where step 12 is.
+    from olmo_eqx.checkpoint import Checkpointer
+    from olmo_eqx.train.setup import _never_uploaded
+
+    with Checkpointer(url, staging=tmp_path / "elsewhere", staged_record=run_dir / STAGED_RECORD) as elsewhere:
+        assert elsewhere.all_steps() == [4, 8]
+        (note,) = _never_uploaded(elsewhere, 8)
+    host0 = tmp_path / "c" / "host0"
+    assert note.startswith(f"checkpoint step 12 was saved by 2 processes in their staging dirs (process 0's: "
+                           f"{record['12']['path']} on host "), note
+    assert note.endswith(f"each with its OLMO_EQX_CHECKPOINT_STAGING (process 0's: {host0}), which uploads it first"), note
 
     # One rerun of the same processes with their staging dirs uploads step 12 first, and
     # resumes from it (nothing is left to train); the losses are those of the uninterrupted run.
