@@ -34,8 +34,8 @@ What it does, in order:
    holds the run directory's `run.lock`) stays on its host.
 5. Streams every process's output, each line prefixed `[pK]`, and says each process's pid and
    node. When a process fails (a non-zero exit status, a signal, or its node lost), the others
-   are stopped by their process groups (SIGTERM, then SIGKILL after `--grace` seconds) and the
-   whole job starts again, up to `--max-restarts` times (default 3): the same command on the
+   are killed by their process groups (SIGKILL: a checkpoint needs every process, so a
+   survivor could only wait in a collective for its lost peer) and the whole job starts again, up to `--max-restarts` times (default 3): the same command on the
    same run directory, so it resumes from the newest committed checkpoint. A job whose
    processes all exit 0 ends the launcher with status 0.
 
@@ -48,8 +48,8 @@ What it does, in order:
    status (128 + the signal for a killed process, 1 for a lost node).
 
 Ctrl-C (SIGINT) or SIGTERM to the launcher reaches every process once as SIGTERM, so they save
-a checkpoint together and stop; the launcher then exits 128 + the signal, without restarting.
-A second one kills them. Bad launcher input (no cluster at the address, fewer nodes than
+a checkpoint together and stop (SIGKILL after `--grace` seconds, default 120); the launcher
+then exits 128 + the signal, without restarting. A second one kills them at once. Bad launcher input (no cluster at the address, fewer nodes than
 `--hosts`, a sweep's `-m`, no command) is one `error:` line and exit status 2.
 
 What was run where: the tests (`tests/test_ray_launcher.py`) start a real two-node Ray cluster
@@ -163,12 +163,16 @@ class Host:
         lines = [self._lines.popleft() for _ in range(len(self._lines))]
         return lines, returncode
 
-    def signal(self, signum: int) -> None:
-        if self._process is not None and self._process.poll() is None:
-            try:
-                os.killpg(self._process.pid, signum)
-            except ProcessLookupError:
-                pass
+    def signal(self, signum: int) -> bool:
+        """Signal the process's group; whether the process was still running (a process that
+        had already ended failed on its own, not by this signal)."""
+        if self._process is None or self._process.poll() is not None:
+            return False
+        try:
+            os.killpg(self._process.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +247,9 @@ def parse_args(argv: list[str]) -> Options:
                         help="a variable for every process (NAME alone: the launcher's own value); repeatable")
     parser.add_argument("--placement-timeout", type=float, default=300.0,
                         help="seconds to wait for the nodes of one attempt (default 300)")
-    parser.add_argument("--grace", type=float, default=30.0,
-                        help="seconds a stopped process has to exit after SIGTERM before SIGKILL (default 30)")
+    parser.add_argument("--grace", type=float, default=120.0,
+                        help="when the launcher is interrupted: seconds the processes have after SIGTERM to save a "
+                             "checkpoint and exit, before SIGKILL (default 120)")
     args = parser.parse_args(own)
     if not command:
         raise LauncherError("give the run's command after --, e.g. -- +stage=pretrain hydra.run.dir=/shared/runs/my_run")
@@ -392,25 +397,30 @@ class Attempt:
     def _failed(self) -> list[Process]:
         return [p for p in self.processes if p.lost or (p.returncode not in (None, 0) and not p.stopped)]
 
-    def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Signal every running process's group; SIGKILL what is left after the grace period."""
-        for p in self.processes:
-            if p.running:
-                p.stopped = True
-                with _quiet(self.ray):
-                    self.ray.get(p.actor.signal.remote(signum), timeout=HOST_TIMEOUT_S)
-        deadline = time.monotonic() + self.options.grace
-        while any(p.running for p in self.processes) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            self._poll_all()
+    def _signal_running(self, signum: int) -> None:
         for p in self.processes:
             if p.running:
                 with _quiet(self.ray):
-                    self.ray.get(p.actor.signal.remote(signal.SIGKILL), timeout=HOST_TIMEOUT_S)
-        deadline = time.monotonic() + 10
+                    p.stopped = self.ray.get(p.actor.signal.remote(signum), timeout=HOST_TIMEOUT_S) or p.stopped
+
+    def _wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
         while any(p.running for p in self.processes) and time.monotonic() < deadline:
             time.sleep(POLL_S)
             self._poll_all()
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Stop every running process's group: SIGTERM and `grace` seconds to save a checkpoint
+        and exit, then SIGKILL. After a failure there is no grace: a checkpoint needs every
+        process, and a survivor would only wait in a collective for its lost peer."""
+        if grace > 0:
+            self._signal_running(signal.SIGTERM)
+            self._wait(grace)
+        self._signal_running(signal.SIGKILL)
+        self._wait(HOST_TIMEOUT_S)
+        for p in self.processes:
+            if p.running:
+                p.lost = "it did not end after SIGKILL"
 
     def run(self) -> Outcome:
         """Start and watch the job until it ends; what ended it."""
@@ -428,8 +438,9 @@ class Attempt:
             self._poll_all()
             if self.interrupted is not None and not forwarded:
                 forwarded = True
-                _say(f"{signal.Signals(self.interrupted).name}: stopping every process (they save a checkpoint)")
-                self.stop(signal.SIGTERM)
+                _say(f"{signal.Signals(self.interrupted).name}: SIGTERM to every process (they save a checkpoint "
+                     f"together and stop; SIGKILL after {self.options.grace:g} s)")
+                self.stop(self.options.grace)
             if self._failed():
                 self.stop()
                 return self.judge()
@@ -515,8 +526,7 @@ def launch(options: Options) -> int:
                 else:
                     for p in current[0].processes:
                         if p.running:
-                            with _quiet(ray):
-                                p.actor.signal.remote(signal.SIGKILL)
+                            p.actor.signal.remote(signal.SIGKILL)
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         ranks: dict[str, int] = {}
