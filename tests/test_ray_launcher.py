@@ -9,6 +9,7 @@ shared cores); the suite's default run leaves them out (`-m "not ray"` in pyproj
 and CI runs them as a step of their own: `python -m pytest -m ray -n 0`.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -79,18 +80,12 @@ class Cluster:
         return self
 
     def stop(self) -> None:
+        # SIGKILL to the whole group at once: `ray start --block` given SIGTERM took over 30 s to
+        # take its daemons down here, and nothing of a test cluster needs to outlive it.
         for node in reversed(self.nodes):
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGTERM)
-        for node in reversed(self.nodes):
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # whatever of its session is left (a daemon slow to exit, a worker)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            node.wait(timeout=30)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
@@ -159,7 +154,7 @@ def test_the_job_trains_like_one_process_on_8_devices(uninterrupted, tmp_path):
     single = olmo_eqx(*JOB, f"hydra.run.dir={tmp_path}", env={"XLA_FLAGS": xla_flags(8)})
     assert single.returncode == 0, single.stderr
     reference, job = read_losses(tmp_path), read_losses(run_dir)
-    assert sorted(job) == sorted(reference) == list(range(2, 13, 2))
+    assert sorted(job) == sorted(reference) == list(range(1, 13))
     for step, loss in reference.items():  # 2 x 4 devices against 1 x 8: float32 reduction order
         assert job[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
 
