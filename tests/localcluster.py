@@ -4,6 +4,7 @@ import os
 import re
 import socket
 import subprocess
+from typing import Optional
 
 
 def free_port(low: int = 0) -> int:
@@ -52,12 +53,15 @@ def launch_local_cluster(
     devices_per_process: int = 2,
     merge_stderr: bool = False,
     launcher: str = "jax",
+    environments: Optional[list[dict]] = None,
 ) -> list[subprocess.Popen]:
     """Start `command` once per process with the launcher environment `jax.distributed` reads
     (`olmo_eqx.sharding.maybe_initialize_distributed`); each process fakes its CPU devices.
 
     launcher "jax": JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
     launcher "slurm": only the variables SLURM sets for its tasks (`slurm_environment`).
+    environments: more variables for each process (one dict per process: e.g. a staging dir
+    of its own, as hosts without a shared file system have).
     """
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
@@ -75,6 +79,7 @@ def launch_local_cluster(
                        JAX_PROCESS_ID=str(rank))
         else:
             raise ValueError(f"launcher={launcher!r}: 'jax' or 'slurm'")
+        env.update((environments or [{}] * n_processes)[rank])
         stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
     return processes

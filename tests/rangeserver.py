@@ -77,8 +77,13 @@ class RangeServer:
                 outer._gcs_write(self, "DELETE")
 
         # Bind the same port again after a stop, so clients see a server that came back.
-        ThreadingHTTPServer.allow_reuse_address = True
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        class Server(ThreadingHTTPServer):
+            allow_reuse_address = True
+            # Several processes upload a checkpoint's files 8 at a time each (remote.UPLOAD_THREADS);
+            # socketserver's backlog of 5 would reset connections a real store accepts.
+            request_queue_size = 128
+
+        self._server = Server(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True, name="rangeserver").start()

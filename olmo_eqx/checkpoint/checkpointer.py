@@ -3,12 +3,14 @@ through Orbax's CheckpointManager (the format: `olmo_eqx/checkpoint/__init__.py`
 upkeep is `local_steps.LocalSteps`, its object-store side `object_store.ObjectStoreSteps`."""
 
 
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -23,6 +25,34 @@ from olmo_eqx.checkpoint.format import (
 )
 from olmo_eqx.checkpoint.local_steps import LocalSteps
 from olmo_eqx.checkpoint.object_store import ObjectStoreSteps
+
+
+def _own_files_handlers() -> dict:
+    """Orbax's handlers for a multi-process run on an object store, where no process can read
+    another's staging dir: arrays without OCDBT, and without the per-process array metadata.
+
+    With OCDBT (Orbax's default) each process writes `ocdbt.process_<i>/`, and the first
+    process's finalize merges them into one manifest by reading every process's files from its
+    own disk: it finds only its own there, merges them alone, and the other processes' arrays
+    would read back as the fill value. Its cross-host validation of `array_metadatas/process_<i>`
+    likewise reads every process's file and refuses a save where it finds one. Without OCDBT
+    every shard is one zarr chunk file that its process alone writes (the first process writes
+    the metadata and the JSON items), nothing is merged, and the files of all processes together
+    are the step; Orbax restores it on any process count and mesh, as it does OCDBT ones."""
+    array = ocp.type_handlers.ArrayHandler(array_metadata_store=None)
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (int, ocp.type_handlers.ScalarHandler()), (float, ocp.type_handlers.ScalarHandler()),
+        (np.number, ocp.type_handlers.ScalarHandler()), (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (jax.Array, array), (str, ocp.type_handlers.StringHandler()),
+    )
+    arrays = {name: ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry) for name in ("model", "train")}
+    return {**arrays, **{name: ocp.JsonCheckpointHandler() for name in _ITEMS if name not in arrays}}
+
+
+def _no_ocdbt_merge_notice(record: logging.LogRecord) -> bool:
+    """Orbax's finalize tries its OCDBT merge whatever the format, and without OCDBT (every
+    save of a spread run) warns that it found nothing to merge: noise at every save."""
+    return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
 class Checkpointer(LocalSteps, ObjectStoreSteps):
@@ -61,6 +91,8 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
         orbax_dir = self.directory
         if is_object_store(text):
             orbax_dir = self._open_object_store(text, staging, staged_record)
+        # Several processes on an object store: each stages and uploads its own files (`_upload`).
+        self.spread = self.remote is not None and jax.process_count() > 1
         self._orbax_dir = orbax_dir
         # Digests, set-aside and retention work on local paths (a remote store's staging dir);
         # other remote (gs:// through Orbax itself) steps would go unverified.
@@ -88,9 +120,12 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
                 # must not, or it would delete a live run's in-flight save.
                 cleanup_tmp_directories=not read_only,
             )
-            self._manager = _listed(lambda: ocp.CheckpointManager(orbax_dir, options=options, item_names=_ITEMS))
-        if self.remote is not None and not read_only:
-            self._upload_pending()
+            items = {"item_handlers": _own_files_handlers()} if self.spread else {"item_names": _ITEMS}
+            if self.spread:
+                logging.getLogger("absl").addFilter(_no_ocdbt_merge_notice)  # once: the same function
+            self._manager = _listed(lambda: ocp.CheckpointManager(orbax_dir, options=options, **items))
+        if self.remote is not None and not read_only and self._upload_pending():
+            self._prune()  # retention, as after any upload
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -156,23 +191,26 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
                 return False
             except CheckpointCorruptError as e:
                 in_the_way = e.reason
-        elif self.remote is not None and self.remote.occupied(step):
+        # Process 0's view, on every process: with an object store the processes' staging
+        # dirs differ, and all must take the same branch (set-aside below is a collective).
+        elif self.remote is not None and agree("occupied", lambda: bool(self.remote.occupied(step))):
             in_the_way = "uncommitted or set aside"  # objects of a killed upload, or a marked step
-        elif (self._orbax_dir / str(step)).exists():
+        elif agree("step_dir", lambda: (self._orbax_dir / str(step)).exists()):
             # No commit marker: Orbax would refuse the step forever (StepAlreadyExistsError).
             in_the_way = "no commit marker"
         if in_the_way is not None:
             self.set_aside(step, in_the_way)
-            if self.remote is not None:  # no rename there: the objects are copied aside, then removed
-                self.remote.relocate(step)
+            if self.remote is not None and jax.process_index() == 0:
+                self.remote.relocate(step)  # no rename there: the objects are copied aside, then removed
             if jax.process_count() > 1:  # every process must see it gone before Orbax saves
                 from jax.experimental import multihost_utils
 
                 multihost_utils.sync_global_devices(f"olmo_eqx_set_aside_{step}")
                 _listed(self._manager.reload)
+        save = ocp.args.PyTreeSave if self.spread else ocp.args.StandardSave
         args = ocp.args.Composite(
-            model=ocp.args.StandardSave(state.model),
-            train=ocp.args.StandardSave(_train_part(state)),
+            model=save(state.model),
+            train=save(_train_part(state)),
             loader=ocp.args.JsonSave(_jsonable(loader_state)),
             config=ocp.args.JsonSave(_jsonable(config)),
             model_config=ocp.args.JsonSave(model_config_to_dict(state.model.config)),
@@ -182,7 +220,9 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
         self._saves += 1
         self._save_key = f"olmo_eqx/hash/{self.directory}/{self._saves}"
         if jax.process_count() > 1 and jax.process_index() != 0 and self._local is not None:
-            threading.Thread(target=self._hash_own_files, args=(self._save_key,), daemon=True,
+            if self.spread:  # a killed save's files would be uploaded with this one's
+                self._clear_part(step)
+            threading.Thread(target=self._hash_own_files, args=(self._save_key, step), daemon=True,
                              name=f"olmo_eqx-hash-{step}").start()
         try:
             started = self._manager.save(step, args=args, force=force)
@@ -208,6 +248,11 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
                 f"not a readable olmo_eqx checkpoint ({type(e).__name__}: {os_reason(e)})",
             ) from e
 
+    def _restore_args(self, target: Any):
+        if not self.spread:
+            return ocp.args.StandardRestore(target)
+        return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
     def _resolve_step(self, step: Optional[int]) -> int:
         if step is None:
             step = self.latest_step()
@@ -229,8 +274,8 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
         optional = {name: ocp.args.JsonRestore() for name in _OPTIONAL_ITEMS if (self._orbax_dir / str(step) / name).exists()}
         data = self._read(
             step,
-            model=ocp.args.StandardRestore(target.model),
-            train=ocp.args.StandardRestore(_train_part(target)),
+            model=self._restore_args(target.model),
+            train=self._restore_args(_train_part(target)),
             loader=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore(),
             model_config=ocp.args.JsonRestore(),
@@ -254,7 +299,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
         """
         step = self._resolve_step(step)
         check_model_config(self.stored_model_config(step), target.config, f"checkpoint {self.directory / str(step)}")
-        return self._read(step, model=ocp.args.StandardRestore(target))["model"]
+        return self._read(step, model=self._restore_args(target))["model"]
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -60,16 +60,35 @@ def writer_of(name: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+def digest_paths(files: dict[str, Path]) -> dict[str, dict]:
+    """Size and digest of each file (`{name in the step: its path}`), `HASH_THREADS` at a time."""
+    names = sorted(files)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        digests = list(pool.map(lambda name: _digest(files[name]), names))
+    return {name: {"size": files[name].stat().st_size, _ALGORITHM: digest} for name, digest in zip(names, digests)}
+
+
 def digest_files(step_dir: str | os.PathLike, process: Optional[int] = None) -> dict[str, dict]:
     """Size and digest of the files under `step_dir` (only those `process` wrote, when given),
     `HASH_THREADS` at a time."""
     step_dir = Path(step_dir)
-    paths = [p for p in _files(step_dir) if process is None or writer_of(p.relative_to(step_dir).as_posix()) == process]
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        digests = list(pool.map(_digest, paths))
+    return digest_paths({
+        p.relative_to(step_dir).as_posix(): p for p in _files(step_dir)
+        if process is None or writer_of(p.relative_to(step_dir).as_posix()) == process
+    })
+
+
+_TMP_SUFFIX = re.compile(r"\.orbax-checkpoint-tmp[^/]*$")
+
+
+def part_files(tmp_dir: str | os.PathLike) -> dict[str, Path]:
+    """The files another process than the first wrote for one step into its own (never
+    renamed) copy of Orbax's tmp dir, by the name each has in the committed step: Orbax names
+    the item dirs `<item>.orbax-checkpoint-tmp...` until the first process's commit renames them."""
+    tmp_dir = Path(tmp_dir)
     return {
-        p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, _ALGORITHM: digest}
-        for p, digest in zip(paths, digests)
+        "/".join(_TMP_SUFFIX.sub("", part) for part in p.relative_to(tmp_dir).parts): p
+        for p in _files(tmp_dir)
     }
 
 
@@ -101,11 +120,15 @@ def _share(sizes: dict[str, int], count: int) -> list[list[str]]:
     return shares
 
 
-def verify_digests(step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> Optional[int]:
+def verify_digests(
+    step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1), present_only: bool = False
+) -> Optional[int]:
     """Check the files `digests.json` lists; the number checked, or None without a manifest.
 
     part: (index, count): check only share `index` of `count` shares of about equal bytes,
     so `count` processes share the work, each file checked by exactly one of them.
+    present_only: check only the listed files that `step_dir` holds (one process's part of a
+    step whose other files are on other hosts; the caller checks that the parts cover it).
     Raises `DigestMismatch` naming the first file that is missing, has another size or
     another digest (or a manifest that cannot be read).
     """
@@ -123,6 +146,8 @@ def verify_digests(step_dir: str | os.PathLike, part: tuple[int, int] = (0, 1)) 
         raise DigestMismatch(DIGEST_FILE, f"unknown digest algorithm {algorithm!r}")
     index, count = part
     mine = _share({name: int(entry["size"]) for name, entry in files.items()}, count)[index]
+    if present_only:
+        mine = [name for name in mine if (step_dir / name).is_file()]
     for name in mine:  # sizes first: cheap, and a truncated file is named as such
         try:
             size = (step_dir / name).stat().st_size

@@ -11,12 +11,14 @@ from typing import Optional
 
 import jax
 
-from olmo_eqx.checkpoint.digests import DigestMismatch, digest_files, has_digests, verify_digests, write_digests
+from olmo_eqx.checkpoint.digests import (
+    DigestMismatch, digest_files, digest_paths, has_digests, part_files, verify_digests, write_digests,
+)
 from olmo_eqx.checkpoint.format import COMMIT_MARKER, SET_ASIDE_DIR, CheckpointCorruptError, _listed
 from olmo_eqx.checkpoint.pins import pinned_steps, pins_locked
 from olmo_eqx.checkpoint.retention import steps_to_delete
 from olmo_eqx.checkpoint.storage import CheckpointSaveError, os_reason
-from olmo_eqx.run.processes import fetch, gather, post
+from olmo_eqx.run.processes import agree, fetch, gather, post
 
 
 class LocalSteps:
@@ -37,24 +39,49 @@ class LocalSteps:
                 self.staged_record.staged(self._saving, self._local / str(self._saving))
             return
         post(f"{self._save_key}/request", str(tmp_dirs[-1]))
-        files = digest_files(tmp_dirs[-1], process=0)
+        # Spread over staging dirs, this one holds only this process's files: all of them.
+        files = digest_files(tmp_dirs[-1], process=None if self.spread else 0)
         for other in range(1, jax.process_count()):
             share = fetch(f"{self._save_key}/{other}")
             if "error" in share:
                 raise OSError(f"process {other} could not hash its checkpoint files: {share['error']}")
+            if twice := sorted(set(files) & set(share["files"])):
+                raise OSError(f"process {other} wrote {twice[0]} too: each file of a step must have one writer")
             files.update(share["files"])
         write_digests(tmp_dirs[-1], files)
+        if self.staged_record is not None:
+            self.staged_record.staged(self._saving, self._local / str(self._saving), jax.process_count())
 
-    def _hash_own_files(self, key: str) -> None:
+    def _hash_own_files(self, key: str, step: int) -> None:
         """Process i > 0, in a thread of its own: once process 0 says the step's files are all
-        written (its tmp dir), hash those this process wrote and hand them over."""
+        written (its tmp dir), hash those this process wrote and hand them over. On an object
+        store they are in this process's own staging dir, in a tmp dir Orbax never renames."""
         try:
             tmp_dir = fetch(f"{key}/request")
-            share = {"files": digest_files(tmp_dir, process=jax.process_index())}
+            if self.spread:
+                share = {"files": digest_paths(self._part(step))}
+            else:
+                share = {"files": digest_files(tmp_dir, process=jax.process_index())}
         except Exception as e:  # process 0 reports it; a save that never finalised just ends here
             share = {"error": f"{type(e).__name__}: {e}"}
         with contextlib.suppress(Exception):
             post(f"{key}/{jax.process_index()}", share)
+
+    def _part_dirs(self, step: int) -> list[Path]:
+        """This process's tmp dirs of step `step` (processes i > 0 of a spread run)."""
+        return sorted(self._local.glob(f"{step}.orbax-checkpoint-tmp*"))
+
+    def _part(self, step: int) -> dict[str, Path]:
+        """The files this process (i > 0 of a spread run) wrote for step `step`, by their names
+        in the step."""
+        files: dict[str, Path] = {}
+        for tmp_dir in self._part_dirs(step):
+            files.update(part_files(tmp_dir))
+        return files
+
+    def _clear_part(self, step: int) -> None:
+        for tmp_dir in self._part_dirs(step):
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def _failed(self, step: int, error: BaseException):
         """Remove what a failed save left and raise one line naming the path and the OS error."""
@@ -75,7 +102,10 @@ class LocalSteps:
         ) from error
 
     def _remove_leftovers(self, step: int) -> None:
-        """Delete a failed save's tmp dir and any uncommitted step dir (process 0)."""
+        """Delete a failed save's tmp dir and any uncommitted step dir (process 0; on an object
+        store every process its own)."""
+        if self._local is not None and self.spread and jax.process_index() != 0:
+            self._clear_part(step)
         if self._local is None or jax.process_index() != 0:
             return
         leftovers = [*self._local.glob(f"{step}.orbax-checkpoint-tmp*")]
@@ -85,6 +115,12 @@ class LocalSteps:
             shutil.rmtree(path, ignore_errors=True)
 
     def _set_aside_local(self, step: int, reason: str) -> Optional[Path]:
+        if self._local is not None and self.spread and jax.process_index() != 0:
+            # A downloaded copy: the marked objects stay in the store; Orbax must not list it.
+            shutil.rmtree(self._local / str(step), ignore_errors=True)
+            self._verified.discard(step)
+            _listed(self._manager.reload)
+            return None
         if self._local is None or jax.process_index() != 0 or not (self._local / str(step)).exists():
             return None
         slug = "-".join("".join(c if c.isalnum() else " " for c in reason.lower()).split())[:40]
@@ -145,9 +181,9 @@ class LocalSteps:
         if self.remote is not None:
             self._set_aside_local(step, reason)  # a staged or downloaded copy, if any
             self._verified.discard(step)
-            if step in self.remote.committed_steps():
-                return self.remote.mark_set_aside(step, reason)
-            return None
+            # Process 0 marks it; every process learns where (a collective with several).
+            return agree("set_aside", lambda: self.remote.mark_set_aside(step, reason)
+                         if step in self.remote.committed_steps() else None)
         return self._set_aside_local(step, reason)
 
     def protect(self, *steps: Optional[int]) -> None:
@@ -166,9 +202,18 @@ class LocalSteps:
         if self.remote is not None:
             # Verified, but its staged copy is gone once uploaded (a killed run's step that the
             # next writer uploads): restoring it needs the download, or Orbax finds no step.
-            if step in self._verified and (self._local / str(step)).is_dir():
-                return True
-            return self._verify_remote(step)
+            if not self.spread:
+                return (step in self._verified and (self._local / str(step)).is_dir()) or self._verify_remote(step)
+            # Each process downloads and checks the copy it reads; all learn every verdict.
+            try:
+                (step in self._verified and (self._local / str(step)).is_dir()) or self._verify_remote(step)
+                verdict = None
+            except CheckpointCorruptError as e:
+                verdict = [e.file, e.reason]
+            for other in gather(f"verify_remote_{step}", verdict):
+                if other is not None:
+                    raise CheckpointCorruptError(self.directory / str(step), step, *other)
+            return True
         if step in self._verified:
             return True
         try:

@@ -51,6 +51,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -60,6 +61,10 @@ COMMITTED = "committed.json"
 SET_ASIDE_MARKER = "set_aside.json"
 SET_ASIDE_PREFIX = "set_aside"
 SCHEMES = ("s3://", "gs://")
+# Tries of one GCS request that failed transiently (429, 5xx, a dropped connection).
+GCS_ATTEMPTS = 4
+# Objects uploaded at once by one process (a step has a file per array and per shard).
+UPLOAD_THREADS = 8
 
 
 class ObjectStoreError(RunError):
@@ -105,10 +110,12 @@ class StagedRecord:
             # the record is a hint for a rerun elsewhere, and a full run dir stops the run anyway.
             logging.getLogger(__name__).warning("could not update %s: %s", self.path, e)
 
-    def staged(self, step: int, path: Path) -> None:
+    def staged(self, step: int, path: Path, processes: int = 1) -> None:
+        """Step `step` is committed at `path` (the first process's part, with `processes`)."""
         with self._lock:
             entries = self.entries()
-            entries[int(step)] = {"host": socket.gethostname(), "path": str(path)}
+            entries[int(step)] = {"host": socket.gethostname(), "path": str(path),
+                                  **({"processes": processes} if processes > 1 else {})}
             self._write(entries)
 
     def uploaded(self, step: int) -> None:
@@ -195,6 +202,18 @@ class S3Objects:
         self._call(f"delete of {name}", self._client.delete_object, Bucket=self.bucket, Key=self._key(name))
 
 
+def _transient(error: OSError) -> bool:
+    """A failure GCS asks clients to retry with backoff: 408, 429, 5xx, a dropped connection.
+    Every request here is idempotent (a media upload replaces the object whole). Refused
+    connections, unknown hosts and timeouts are answered at once: retrying would only wait."""
+    status = getattr(error, "code", None)
+    if isinstance(status, int):
+        return status in (408, 429) or status >= 500
+    reason = getattr(error, "reason", error)
+    return isinstance(reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)) or (
+        type(reason).__name__ == "RemoteDisconnected")
+
+
 class GcsObjects:
     """The objects under `gs://bucket/prefix`, through GCS's JSON API (the standard library's
     HTTP client; a bearer token from Application Default Credentials when configured)."""
@@ -218,14 +237,19 @@ class GcsObjects:
                 self._credentials.refresh(google.auth.transport.requests.Request())
             headers["Authorization"] = f"Bearer {self._credentials.token}"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=300) as response:
-                return response.read()
-        except OSError as e:
-            raise ObjectStoreError(
-                f"checkpoint store {self.url}: {what} failed: {e}. Check the bucket and the credentials "
-                "(gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
-            ) from e
+        for attempt in range(GCS_ATTEMPTS):
+            try:
+                with urllib.request.urlopen(request, timeout=300) as response:
+                    return response.read()
+            except OSError as e:
+                if attempt + 1 < GCS_ATTEMPTS and _transient(e):
+                    time.sleep(0.5 * 2**attempt)
+                    continue
+                raise ObjectStoreError(
+                    f"checkpoint store {self.url}: {what} failed: {e}. Check the bucket and the credentials "
+                    "(gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
+                ) from e
+        raise AssertionError("unreachable")
 
     def _object(self, name: str) -> str:
         return f"{self.endpoint}/storage/v1/b/{self.bucket}/o/{urllib.parse.quote(self.prefix + name, safe='')}"
@@ -329,33 +353,55 @@ class RemoteSteps:
 
     def occupied(self, step: int) -> dict[str, int]:
         """The objects under `<url>/<step>/` (committed or not)."""
-        return self._by_step().get(step, {})
+        head = f"{step}/"
+        return {name[len(head):]: size for name, size in self.store.list(head).items()}
 
-    def upload(self, step: int, step_dir: Path) -> dict:
-        """Upload the committed local step `step_dir` (which holds its `digests.json`), then its
-        `committed.json` last. Returns the manifest. The sizes the store then lists are checked.
-        A prefix this process claimed for a run dir that another run dir has claimed since (two
-        runs started on it at once) is refused before anything is written."""
+    def check_owner(self) -> None:
+        """A prefix this process claimed for a run dir that another run dir has claimed since
+        (two runs started on it at once) is refused before anything is written."""
         claimed = _CLAIMED.get(self.url)
         if claimed is not None and (owner := _owner(self.store, self.url)) not in (None, claimed):
             raise ObjectStoreError(_owned_error(self.url, owner, claimed))
-        manifest = json.loads((step_dir / "digests.json").read_text())
-        files = sorted(p for p in step_dir.rglob("*") if p.is_file())
-        for path in files:
-            self.store.put_file(f"{step}/{path.relative_to(step_dir).as_posix()}", path)
+
+    def put_part(self, step: int, files: dict[str, Path]) -> None:
+        """Upload `files` ({name in the step: local path}) under `<url>/<step>/`,
+        `UPLOAD_THREADS` at a time, then check the sizes the store lists. Writes no commit."""
+        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+            list(pool.map(lambda name: self.store.put_file(f"{step}/{name}", files[name]), sorted(files)))
         listed = self.occupied(step)
-        for path in files:
-            name = path.relative_to(step_dir).as_posix()
+        for name, path in sorted(files.items()):
             if listed.get(name) != path.stat().st_size:
                 raise ObjectStoreError(
                     f"checkpoint store {self.url}: {step}/{name} lists {listed.get(name)} bytes after its upload "
-                    f"of {path.stat().st_size}; step {step} was not committed (the staged copy is kept at {step_dir})"
+                    f"of {path.stat().st_size}; step {step} was not committed (the staged copy is kept at {path})"
                 )
-        committed = {"step": step, "algorithm": manifest["algorithm"], "files": manifest["files"],
-                     "unsealed": sorted(n.relative_to(step_dir).as_posix() for n in files
-                                        if n.relative_to(step_dir).as_posix() not in manifest["files"])}
+
+    def commit(self, step: int, manifest: dict, unsealed: list[str]) -> dict:
+        """Write `<url>/<step>/committed.json` once the listing holds every file of `manifest`
+        (a step's `digests.json`) at its size and every `unsealed` one: the step then exists.
+        With several processes each uploaded its own part; this is the one check that all landed."""
+        listed = self.occupied(step)
+        for name in sorted(manifest["files"]):
+            if listed.get(name) != manifest["files"][name]["size"]:
+                raise ObjectStoreError(
+                    f"checkpoint store {self.url}: {step}/{name} lists {listed.get(name)} bytes, saved with "
+                    f"{manifest['files'][name]['size']}; step {step} was not committed"
+                )
+        if missing := [name for name in unsealed if name not in listed]:
+            raise ObjectStoreError(f"checkpoint store {self.url}: {step}/{missing[0]} is missing; step {step} was not committed")
+        committed = {"step": step, "algorithm": manifest["algorithm"], "files": manifest["files"], "unsealed": sorted(unsealed)}
+        self.check_owner()
         self.store.put_bytes(f"{step}/{COMMITTED}", (json.dumps(committed, indent=1) + "\n").encode())
         return committed
+
+    def upload(self, step: int, step_dir: Path) -> dict:
+        """Upload the committed local step `step_dir` (which holds its `digests.json`), then its
+        `committed.json` last. Returns the manifest. The sizes the store then lists are checked."""
+        self.check_owner()
+        manifest = json.loads((step_dir / "digests.json").read_text())
+        files = {p.relative_to(step_dir).as_posix(): p for p in step_dir.rglob("*") if p.is_file()}
+        self.put_part(step, files)
+        return self.commit(step, manifest, [name for name in files if name not in manifest["files"]])
 
     def committed(self, step: int) -> dict:
         """The commit manifest of step `step` (`committed.json`)."""

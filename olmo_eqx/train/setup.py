@@ -159,6 +159,13 @@ def _never_uploaded(checkpointer: Checkpointer, start_step: int) -> list[str]:
             # This staging dir: the Checkpointer would have uploaded it had it been complete.
             lines.append(f"checkpoint step {step}, staged at {path}, never reached {url} and cannot be uploaded (it "
                          f"is gone, lacks its commit marker or fails its digests): {resuming}")
+        elif (processes := int(where.get("processes", 1))) > 1:
+            # Every process staged its own part: the same processes, each with its staging dir.
+            lines.append(f"checkpoint step {step} was saved by {processes} processes in their staging dirs (process "
+                         f"0's: {path} on host {host}) but never uploaded to {url} (the run stopped, or an upload "
+                         f"failed): {resuming}. To resume from step {step} instead, stop this run and rerun its "
+                         f"{processes} processes on the same hosts, each with its OLMO_EQX_CHECKPOINT_STAGING (process "
+                         f"0's: {path.parent.parent}), which uploads it first")
         else:
             lines.append(f"checkpoint step {step} was saved in the staging dir {path} on host {host} but never "
                          f"uploaded to {url} (the run stopped, or its upload failed): {resuming}. To resume from "
