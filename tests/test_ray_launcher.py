@@ -30,6 +30,7 @@ import pytest
 
 from clihelp import TINY, olmo_eqx, xla_flags
 from localcluster import free_port
+from test_checkpoint_remote import BUCKET, s3  # noqa: F401 (the fixture: moto's S3 server on 127.0.0.1)
 
 # Four checkpoints in twelve steps, so the kill lands after a committed one with steps to go.
 JOB = [a for a in TINY if not a.startswith("checkpoint.every")] + ["checkpoint.every=4"]
@@ -47,7 +48,8 @@ def _bare_environment() -> dict:
 
 
 class Cluster:
-    """A head node and a worker node, each `ray start --block` in a session of its own: stopping
+    """A head node and a worker node, each `ray start --block` in a session of its own, staging
+    checkpoints for a bucket in a directory of its own (as hosts without a shared disk): stopping
     one is signalling its process group (Ray's daemons and workers are in it), never `ray stop`,
     which stops every Ray process of the user on the machine."""
 
@@ -66,7 +68,8 @@ class Cluster:
         self.nodes.append(subprocess.Popen(
             [*RAY_CLI, "start", "--block", "--num-cpus", "1", "--object-store-memory", str(80 * 2**20),
              "--disable-usage-stats", *ports, *args],
-            env=_bare_environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            env={**_bare_environment(), "OLMO_EQX_CHECKPOINT_STAGING": str(Path(self.temp_dir) / f"staging-{name}")},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 120
         while "block forever" not in (Path(self.temp_dir) / f"{name}.log").read_text():
             if self.nodes[-1].poll() is not None or time.monotonic() > deadline:
@@ -159,32 +162,32 @@ def test_the_job_trains_like_one_process_on_8_devices(uninterrupted, tmp_path):
         assert job[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
 
 
-def local_checkpoints(tmp_path: Path):
-    """`checkpoint.dir` on a directory both nodes see (they share this machine's disk): the
-    override, the committed steps so far, and the location to read them from."""
-    directory = tmp_path / "checkpoints"
+def s3_checkpoints(tmp_path: Path):
+    """`checkpoint.dir` on moto's S3 (each node stages its shards on its own disk): the
+    override, the committed steps so far, the location to read them from, and the launcher
+    options that hand every process the store's endpoint and credentials."""
+    from olmo_eqx.checkpoint.remote import RemoteSteps
 
-    def committed() -> list[int]:
-        return sorted(int(marker.parent.name) for marker in directory.glob("*/commit_success.txt")
-                      if marker.parent.name.isdigit())
-
-    return f"checkpoint.dir={directory}", committed, str(directory)
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    aws = [option for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+           for option in ("--env", name)]
+    return f"checkpoint.dir={url}", lambda: RemoteSteps(url).committed_steps(), url, aws
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("where", ["local"])
-def test_kill_9_of_one_process_restarts_the_job_which_resumes_bitwise(cluster, uninterrupted, tmp_path, where):
+@pytest.mark.parametrize("where", ["s3"])
+def test_kill_9_of_one_process_restarts_the_job_which_resumes_bitwise(cluster, uninterrupted, s3, tmp_path, where):
     from olmo_eqx.checkpoint import Checkpointer
     from olmo_eqx.config import compose_config
     from olmo_eqx.sharding import MeshConfig, make_mesh
     from olmo_eqx.train.state import sharded_abstract_train_state
 
-    setting, committed, location = local_checkpoints(tmp_path)
+    setting, committed, location, options = {"s3": s3_checkpoints}[where](tmp_path)
     run_dir = tmp_path / "run"
-    launch = Launch(cluster, [*JOB, setting, f"hydra.run.dir={run_dir}"], options=["--max-restarts", "1"])
+    launch = Launch(cluster, [*JOB, setting, f"hydra.run.dir={run_dir}"], options=["--max-restarts", "1", *options])
     deadline = time.monotonic() + 400
     while not committed() and launch.process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.2)
     assert committed(), "".join(launch.lines)
     victim = launch.pid_of(1)
     os.kill(victim, signal.SIGKILL)
@@ -192,10 +195,11 @@ def test_kill_9_of_one_process_restarts_the_job_which_resumes_bitwise(cluster, u
     returncode, output = launch.wait()
     assert returncode == 0, output
     assert f"[ray] attempt 1 ended: process 1 (pid {victim} " in output and "was killed by SIGKILL; restarting" in output
-    assert f"[ray] attempt 2: done" in output
-    resumed = re.search(r"\[p0\] Resuming from \S+ \(step (\d+)\)", output.split("[ray] attempt 2:")[1])
-    assert resumed and int(resumed.group(1)) >= killed_after and int(resumed.group(1)) < 12, output
-    assert "steps 0 -> 12" in output.split("[ray] attempt 2:")[0]  # the kill landed mid-run
+    assert "[ray] attempt 2: done" in output
+    first, second = output.split("[ray] attempt 2:", 1)
+    assert "steps 0 -> 12" in first and "step     12/12" not in first  # the kill landed mid-run
+    resumed = re.search(r"\[p0\] Resuming from \S+ \(step (\d+)\)", second)
+    assert resumed and killed_after <= int(resumed.group(1)) < 12, output
 
     # The final checkpoints, read with the project's own reader onto this process's 8 devices.
     config = compose_config(JOB)
@@ -203,7 +207,7 @@ def test_kill_9_of_one_process_restarts_the_job_which_resumes_bitwise(cluster, u
     target = sharded_abstract_train_state(config.model, config.optim, mesh)
     finals = []
     for directory in (location, str(uninterrupted[0] / "checkpoints")):
-        with Checkpointer(directory) as checkpointer:
+        with Checkpointer(directory, read_only=True, staging=tmp_path / "reader") as checkpointer:
             assert checkpointer.latest_step() == 12
             finals.append(checkpointer.restore(12, target=target))
     leaves = [jax.tree.leaves(jax.tree.map(np.asarray, r.state)) for r in finals]
@@ -244,3 +248,25 @@ def test_a_derived_run_dir_is_absolute_and_named_with_the_override_that_resumes_
                                          "/work/outputs/ray/2026-12-07/06-10-56", False)
     command, run_dir, given = pin_run_dir(["hydra.run.dir=runs/a", "x=1"], "/work")
     assert (command, run_dir, given) == (["hydra.run.dir=/work/runs/a", "x=1"], "/work/runs/a", True)
+
+
+@pytest.mark.parametrize("ends, status, retry", [
+    ([(-9, False, ""), (2, False, "")], 137, True),  # a peer that saw process 0 killed exits 2: retried
+    ([(2, False, ""), (-9, True, "")], 2, False),  # killed by the launcher after the refusal: refused
+    ([(2, False, ""), (2, False, "")], 2, False),  # both refused the config
+    ([(2, False, ""), (None, True, "its node or actor was lost (ActorDiedError)")], 1, True),
+    ([(1, False, ""), (-9, True, "")], 1, True),  # a crash (a traceback) is retried
+])
+def test_what_ends_an_attempt_and_whether_it_is_retried(ends, status, retry):
+    """An attempt is a refusal (exit status 2, not retried) only when every process that failed
+    on its own exited 2, none killed by a signal or lost with its node; the processes the
+    launcher itself killed after the first failure do not count."""
+    from olmo_eqx.infra.ray_launcher import Attempt, Options, Process
+
+    options = Options("auto", 2, {"CPU": 1}, 3, {}, 300.0, 120.0, ["+stage=pretrain"], "/work")
+    attempt = Attempt(None, options, len(ends), 1, {})
+    attempt.processes = [Process(rank, None, f"node{rank}", "10.0.0.1", f"host{rank}", pid=100 + rank,
+                                 returncode=code, stopped=stopped, lost=lost)
+                         for rank, (code, stopped, lost) in enumerate(ends)]
+    outcome = attempt.judge()
+    assert (outcome.status, outcome.retry) == (status, retry), outcome.reason

@@ -337,10 +337,10 @@ class Attempt:
             ray.get(self.group.ready(), timeout=self.options.placement_timeout)
         except ray.exceptions.GetTimeoutError:
             have = len(eligible_nodes(ray, resources))
+            fix = f"add nodes, or give --hosts {have}" if have else "give --resources that the nodes have (ray status)"
             raise LauncherError(
                 f"could not place {self.hosts} processes with {json.dumps(resources)} each on distinct nodes within "
-                f"{self.options.placement_timeout:g} s: {have} alive node(s) have those resources; add nodes, or "
-                f"give --hosts {have}" if have else "give --resources that the nodes have (ray status lists them)"
+                f"{self.options.placement_timeout:g} s: {have} alive node(s) have those resources; {fix}"
             ) from None
         remote_host = ray.remote(Host)
         cpus = resources.get("CPU", 0)
@@ -377,6 +377,8 @@ class Attempt:
 
     def _poll_all(self) -> None:
         running = [p for p in self.processes if p.running]
+        if not running:
+            return
         refs = [p.actor.poll.remote() for p in running]
         ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=HOST_TIMEOUT_S)
         ready = set(ready)
@@ -541,6 +543,8 @@ def launch(options: Options) -> int:
                         if number == 1:
                             raise
                         outcome = Outcome(1, str(e), True)
+                    except ray.exceptions.RayError as e:  # a node lost while its actor started
+                        outcome = Outcome(1, f"placing the processes failed ({type(e).__name__})", True)
                     else:
                         ranks = {p.node_id: p.rank for p in attempt.processes}
                         if received:
