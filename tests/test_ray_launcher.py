@@ -270,3 +270,11 @@ def test_what_ends_an_attempt_and_whether_it_is_retried(ends, status, retry):
                          for rank, (code, stopped, lost) in enumerate(ends)]
     outcome = attempt.judge()
     assert (outcome.status, outcome.retry) == (status, retry), outcome.reason
+
+
+def test_an_address_nobody_listens_on_is_named_at_once():
+    """Ray's client retries an unreachable head for ever; the launcher asks the port first."""
+    from olmo_eqx.infra.ray_launcher import _reachable
+
+    assert _reachable(f"127.0.0.1:{free_port()}") == "Connection refused"
+    assert _reachable("auto") is None

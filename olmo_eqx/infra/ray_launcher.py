@@ -304,7 +304,23 @@ def _import_ray():
     return ray
 
 
+def _reachable(address: str, timeout: float = 10.0) -> Optional[str]:
+    """None when HOST:PORT accepts a connection (or is not HOST:PORT), else why not: Ray's own
+    client retries an unreachable head for ever."""
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
 def connect(ray, address: str) -> None:
+    if address != "auto" and (why := _reachable(address)):
+        raise LauncherError(f"no Ray cluster at {address} ({why}): start one there (ray start --head --port PORT) or "
+                            "name its head with --address HOST:PORT")
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as e:
