@@ -1,11 +1,12 @@
 """The Ray launcher (`python -m olmo_eqx.infra.ray_launcher`) on a real Ray cluster of two nodes
 on this machine (`ray start --head` and a second `ray start --address`), one `python -m olmo_eqx`
 process per node with 4 fake CPU devices each: the job trains like one process on 8 devices, and
-`kill -9` of one process mid-run makes the launcher restart the whole job, which resumes and ends
-with the final weights of an uninterrupted job, bit for bit.
+`kill -9` of one process mid-run makes the launcher restart the whole job, which resumes (from
+moto's S3) and ends with the final state of an uninterrupted job, bit for bit; a lost node is
+replaced; a refusal is not retried.
 
-The tests on the cluster are marked `ray` (minutes: a cluster and four multi-process runs on 2
-shared cores); the suite's default run leaves them out (`-m "not ray"` in pyproject's addopts)
+The tests on the cluster are marked `ray` (about 3.5 minutes: a cluster and five multi-process
+runs on 2 shared cores); the suite's default run leaves them out (`-m "not ray"` in pyproject's addopts)
 and CI runs them as a step of their own: `python -m pytest -m ray -n 0`.
 """
 
@@ -79,7 +80,10 @@ class Cluster:
     def start(self) -> "Cluster":
         self._start("head", ["--head", "--port", str(self.port), "--include-dashboard", "false",
                              "--dashboard-port", str(free_port()), "--temp-dir", self.temp_dir])
-        self._start("worker", ["--address", self.address])
+        return self.add_worker()
+
+    def add_worker(self) -> "Cluster":
+        self._start(f"worker{len(self.nodes)}", ["--address", self.address])
         return self
 
     def stop(self) -> None:
@@ -215,6 +219,30 @@ def test_kill_9_of_one_process_restarts_the_job_which_resumes_bitwise(cluster, u
     for a, b in zip(*leaves):
         np.testing.assert_array_equal(a, b)
     assert finals[0].loader_state == finals[1].loader_state
+
+
+@pytest.mark.ray
+def test_a_lost_node_is_replaced_and_the_job_resumes_on_the_new_one(cluster, uninterrupted, tmp_path):
+    """Every Ray process of one node killed at once (a host gone) after a checkpoint: the
+    launcher says the node was lost, waits for the nodes of the next attempt, and the job
+    resumes on a node that joined since, ending with the uninterrupted job's losses exactly."""
+    run_dir = tmp_path / "run"
+    launch = Launch(cluster, [*JOB, f"hydra.run.dir={run_dir}"], options=["--max-restarts", "1"])
+    deadline = time.monotonic() + 400
+    while not list(run_dir.glob("checkpoints/*/commit_success.txt")) and launch.process.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert launch.process.poll() is None, "".join(launch.lines)
+    lost = cluster.nodes[1]
+    os.killpg(lost.pid, signal.SIGKILL)
+    lost.wait(timeout=30)
+    cluster.add_worker()
+    returncode, output = launch.wait()
+    assert returncode == 0, output
+    assert re.search(r"\[ray\] attempt 1 ended: process \d \(pid \d+ on \S+, \S+\): its node or actor was lost", output)
+    first, second = output.split("[ray] attempt 2:", 1)
+    assert "step     12/12" not in first and re.search(r"\[p0\] Resuming from \S+ \(step \d+\)", second), output
+    assert read_losses(run_dir) == read_losses(uninterrupted[0])
 
 
 @pytest.mark.ray

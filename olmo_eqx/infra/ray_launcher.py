@@ -54,9 +54,11 @@ then exits 128 + the signal, without restarting. A second one kills them at once
 
 What was run where: the tests (`tests/test_ray_launcher.py`) start a real two-node Ray cluster
 on one machine (`ray start --head` and a second `ray start --address`), 4 fake CPU devices per
-process, and check that the job's losses equal one process's on 8 devices and that `kill -9` of
-one process mid-run makes the launcher restart the job, which resumes and ends with final
-weights bitwise equal to an uninterrupted run. No TPU pod was used; the TPU resource and the
+process, and check that the job's losses equal one process's on 8 devices; that `kill -9` of
+one process mid-run, with the checkpoints on S3 (moto's server), makes the launcher restart
+the job, which resumes and ends with a final state bitwise equal to an uninterrupted job's;
+that a node lost mid-run (all its Ray processes killed) is said, and the job resumes on a node
+that joined since; and that a refused config is not retried. No TPU pod was used; the TPU resource and the
 `TPU_VISIBLE_CHIPS` hand-over are Ray's (docs.ray.io, "Accelerator Support"), as Levanter's
 launcher uses them (marin-community/levanter, `src/levanter/infra/ray_tpu.py`).
 """
