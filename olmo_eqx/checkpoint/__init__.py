@@ -24,7 +24,9 @@ verification) is moved into `<dir>/set_aside/`, never deleted.
 
 On an object store (`s3://`, `gs://`), which has no rename, Orbax saves into a local staging
 dir with all of the above, and the committed step is uploaded with a `committed.json` (its
-digests) written last; set-aside is a `set_aside.json` marker (`remote.py`).
+digests) written last; set-aside is a `set_aside.json` marker (`remote.py`). With several
+processes each stages and uploads its own shards (saved without OCDBT, whose merge needs every
+process's files on one disk), and process 0 commits once all have landed.
 
 The package, bottom to top (each module imports only those above it in this list, and the
 `Checkpointer` is the one class a caller needs):

@@ -31,14 +31,13 @@ def _own_files_handlers() -> dict:
     """Orbax's handlers for a multi-process run on an object store, where no process can read
     another's staging dir: arrays without OCDBT, and without the per-process array metadata.
 
-    With OCDBT (Orbax's default) each process writes `ocdbt.process_<i>/`, and the first
-    process's finalize merges them into one manifest by reading every process's files from its
-    own disk: it finds only its own there, merges them alone, and the other processes' arrays
-    would read back as the fill value. Its cross-host validation of `array_metadatas/process_<i>`
-    likewise reads every process's file and refuses a save where it finds one. Without OCDBT
-    every shard is one zarr chunk file that its process alone writes (the first process writes
-    the metadata and the JSON items), nothing is merged, and the files of all processes together
-    are the step; Orbax restores it on any process count and mesh, as it does OCDBT ones."""
+    Both assume one file system: the first process's finalize merges the processes'
+    `ocdbt.process_<i>/` dirs by globbing them on its own disk, and validates every process's
+    `array_metadatas/process_<i>` there (with separate dirs, Orbax 0.12.8's default save never
+    completed). Without them every shard is one zarr chunk file that its process alone writes
+    (the first process writes the metadata and the JSON items), nothing is merged, and the
+    files of all processes together are the step; Orbax restores it on any process count and
+    mesh, as it does OCDBT ones (`remote.py`)."""
     array = ocp.type_handlers.ArrayHandler(array_metadata_store=None)
     registry = ocp.type_handlers.create_type_handler_registry(
         (int, ocp.type_handlers.ScalarHandler()), (float, ocp.type_handlers.ScalarHandler()),

@@ -27,19 +27,40 @@ Retention deletes a step by removing its `committed.json` first (so a kill mid-d
 leaves a step that looks complete), then its other objects; it never removes the newest step
 this process verified (uploaded, or downloaded and checked) nor a marked one.
 
+Several processes (`jax.distributed`; a TPU pod's hosts share no file system): each process
+stages into a dir of its own (`<staging>-process<i>`, on its own host) and uploads the files
+it wrote; process 0 writes the one `committed.json` only once every process said its part
+landed (`run.processes.gather`) and the store lists every file of the step's manifest at its
+size. The arrays are then saved without OCDBT and without Orbax's per-process array metadata:
+both assume one file system. Orbax's finalize merges the processes' `ocdbt.process_<i>/` dirs
+by globbing them on process 0's disk (`merge_ocdbt_per_process_files`, which skips what it does
+not find there), and checks every process's `array_metadatas/process_<i>` there too; with two
+processes on separate dirs, Orbax 0.12.8's default save never completed (both waited in its
+commit). Without them every shard is one zarr chunk file written by one process (process 0
+writes the metadata and the JSON items), nothing is merged, and the union of the parts is the
+step, which Orbax restores on any process count and mesh. Process i > 0 hashes its files when process 0 writes the manifest
+(`digests.py`); its part stays in its tmp dir (Orbax renames only process 0's) until the
+commit. A resume on any process count: process 0 lists, every process downloads the step into
+its own staging dir and verifies it, and all learn each verdict (a damaged step is marked once
+and every process falls back together). A process killed mid-upload leaves objects that no
+listing counts; the rerun of the same processes with their staging dirs uploads the step (each
+part verified against the manifest, the parts covering it), and a rerun elsewhere names it.
+
 Credentials are each store's standard chain: boto3's for S3 (environment, ~/.aws, instance
 metadata; `AWS_ENDPOINT_URL` for S3-compatible stores), Application Default Credentials for
-GCS (`STORAGE_EMULATOR_HOST` for an emulator). Readers (eval, a later stage's
-`checkpoint.load`) download into a staging dir of their own process, shared by its readers and
-removed at exit. Limits: one process (a multi-process run needs every process's files in one
-place before the upload: not done yet), and the upload of a save runs in the training thread
-at the first step after its local commit (or the next save, or the close). A run killed in
-between leaves the step committed in its staging dir: the next writer of the URL on that
-machine, with that staging dir, uploads it; a rerun elsewhere cannot, so the run dir keeps
-`StagedRecord` (`checkpoint_staged.json`: each step committed locally and not yet uploaded,
-with its host and path), and that rerun says which newer step it is not resuming from, and
-where it is. Tested on moto's S3 server and on `tests/rangeserver.py`'s emulation of GCS's
-JSON API.
+GCS (`STORAGE_EMULATOR_HOST` for an emulator); GCS requests that fail transiently (429, 5xx, a
+dropped connection) are retried with backoff, as GCS asks of its clients. Readers (eval, a
+later stage's `checkpoint.load`) download into a staging dir of their own process, shared by
+its readers and removed at exit. Limits: every process of a resume downloads the whole step
+(Orbax picks the chunks each reads only after the download), and the upload of a save runs in
+the training thread at the first step after its local commit (or the next save, or the close).
+A run killed in between leaves the step committed in its staging dir(s): the next writer of the
+URL on that machine (those machines), with that staging dir, uploads it; a rerun elsewhere
+cannot, so the run dir keeps `StagedRecord` (`checkpoint_staged.json`: each step committed
+locally and not yet uploaded, with its host, path and process count), and that rerun says which
+newer step it is not resuming from, and where it is. Tested on moto's S3 server and on
+`tests/rangeserver.py`'s emulation of GCS's JSON API, with one process and with two
+(`tests/test_checkpoint_bucket.py`).
 """
 
 import hashlib
