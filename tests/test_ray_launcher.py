@@ -258,6 +258,7 @@ def test_a_refused_config_is_not_retried(cluster, tmp_path):
     (["--", "-m", "+stage=pretrain", "optim.lr=1e-3,3e-3"], "-m (a sweep) in the command"),
     (["--resources", "[1]", "--", "+stage=pretrain"], "--resources '[1]': give a JSON object"),
     (["--env", "OLMO_EQX_SURELY_UNSET", "--", "+stage=pretrain"], "--env OLMO_EQX_SURELY_UNSET: it is not set here"),
+    (["--hosts", "two", "--", "+stage=pretrain"], "argument --hosts: invalid int value: 'two' (--help lists"),
 ])
 def test_bad_launcher_input_is_one_line_before_any_cluster_is_reached(args, message, capsys):
     from olmo_eqx.infra.ray_launcher import main

@@ -52,18 +52,17 @@ a checkpoint together and stop (SIGKILL after `--grace` seconds, default 120); t
 then exits 128 + the signal, without restarting. A second one kills them at once. Bad launcher input (no cluster at the address, fewer nodes than
 `--hosts`, a sweep's `-m`, no command) is one `error:` line and exit status 2.
 
-What was run where: the tests (`tests/test_ray_launcher.py`) start a real two-node Ray cluster
-on one machine (`ray start --head` and a second `ray start --address`), 4 fake CPU devices per
-process, and check that the job's losses equal one process's on 8 devices; that `kill -9` of
-one process mid-run, with the checkpoints on S3 (moto's server), makes the launcher restart
-the job, which resumes and ends with a final state bitwise equal to an uninterrupted job's;
-that a node lost mid-run (all its Ray processes killed) is said, and the job resumes on a node
-that joined since; and that a refused config is not retried. No TPU pod was used; the TPU resource and the
+What was run where: `tests/test_ray_launcher.py` starts a real two-node Ray cluster on one
+machine, 4 fake CPU devices per process: the job's losses equal one process's on 8 devices;
+`kill -9` of one process mid-run (checkpoints on moto's S3) restarts the job, which ends with a
+final state bitwise equal to an uninterrupted job's; a node lost mid-run is said and the job
+resumes on a node that joined since; a refused config is not retried. No TPU pod was used; the TPU resource and the
 `TPU_VISIBLE_CHIPS` hand-over are Ray's (docs.ray.io, "Accelerator Support"), as Levanter's
 launcher uses them (marin-community/levanter, `src/levanter/infra/ray_tpu.py`).
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -103,17 +102,19 @@ def _say(text: str) -> None:
 # On each host: the actor that starts the process, hands its output over and stops it
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: its own session (so its process group can be signalled whole)
-    and SIGKILL when the actor that started it dies, so a killed actor or launcher never
-    leaves a training process holding the host's devices."""
-    os.setsid()
+def _kill_me_with_my_parent():
+    """A function for the child to call between fork and exec that has the kernel SIGKILL it
+    when the thread that started it (the actor's) dies (Linux's PR_SET_PDEATHSIG), so a killed
+    actor, node or launcher never leaves a training process holding the host's devices; None
+    elsewhere. libc is loaded here, in the parent: the child of a threaded process must not
+    take the dynamic loader's lock."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own stop still ends the process
+        return None
+    return lambda: prctl(1, signal.SIGKILL)
 
 
 class Host:
@@ -146,7 +147,8 @@ class Host:
         full_env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
         self._process = subprocess.Popen(
             [sys.executable, "-m", "olmo_eqx", *command], env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            start_new_session=True, preexec_fn=_kill_me_with_my_parent(),  # a group of its own, to signal whole
         )
         self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True)
         self._reader.start()
@@ -222,13 +224,15 @@ class Outcome:
     retry: bool
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every other refusal
+        raise LauncherError(f"{message} (--help lists the options)")
+
+
 def parse_args(argv: list[str]) -> Options:
-    if "--" in argv:
-        at = argv.index("--")
-        own, command = argv[:at], argv[at + 1:]
-    else:
-        own, command = argv, []
-    parser = argparse.ArgumentParser(
+    at = argv.index("--") if "--" in argv else len(argv)
+    own, command = argv[:at], argv[at + 1:]
+    parser = _Parser(
         prog="python -m olmo_eqx.infra.ray_launcher",
         description="Run `python -m olmo_eqx <command>` once per Ray node as one jax.distributed job; restart it "
                     "from the latest checkpoint when a process fails.",
@@ -351,15 +355,17 @@ class Attempt:
 
         ray, resources = self.ray, self.options.resources
         self.group = placement_group([dict(resources)] * self.hosts, strategy="STRICT_SPREAD")
-        try:
-            ray.get(self.group.ready(), timeout=self.options.placement_timeout)
-        except ray.exceptions.GetTimeoutError:
+        ready, deadline = self.group.ready(), time.monotonic() + self.options.placement_timeout
+        # In slices, so that Ctrl-C while nodes are awaited stops the launcher at once.
+        while not ray.wait([ready], timeout=1.0)[0] and time.monotonic() < deadline:
+            if self.interrupted is not None:
+                return
+        if not ray.wait([ready], timeout=0)[0]:
             have = len(eligible_nodes(ray, resources))
             fix = f"add nodes, or give --hosts {have}" if have else "give --resources that the nodes have (ray status)"
             raise LauncherError(
                 f"could not place {self.hosts} processes with {json.dumps(resources)} each on distinct nodes within "
-                f"{self.options.placement_timeout:g} s: {have} alive node(s) have those resources; {fix}"
-            ) from None
+                f"{self.options.placement_timeout:g} s: {have} alive node(s) have those resources; {fix}")
         remote_host = ray.remote(Host)
         cpus = resources.get("CPU", 0)
         others = {k: v for k, v in resources.items() if k != "CPU"}
@@ -420,7 +426,7 @@ class Attempt:
     def _signal_running(self, signum: int) -> None:
         for p in self.processes:
             if p.running:
-                with _quiet(self.ray):
+                with contextlib.suppress(self.ray.exceptions.RayError, ValueError):
                     p.stopped = self.ray.get(p.actor.signal.remote(signum), timeout=HOST_TIMEOUT_S) or p.stopped
 
     def _wait(self, seconds: float) -> None:
@@ -479,7 +485,7 @@ class Attempt:
             if p.lost:
                 described.append(f"{p.where()}: {p.lost}")
             elif p.returncode < 0:
-                described.append(f"{p.where()} was killed by {_signal_name(-p.returncode)}")
+                described.append(f"{p.where()} was killed by {signal.Signals(-p.returncode).name}")
             else:
                 error = next((line for line in reversed(p.last_lines) if line.startswith("error:")), "")
                 described.append(f"{p.where()} exited with status {p.returncode}" + (f" ({error})" if error else ""))
@@ -493,33 +499,13 @@ class Attempt:
 
     def release(self) -> None:
         for p in self.processes:
-            with _quiet(self.ray):
+            with contextlib.suppress(self.ray.exceptions.RayError, ValueError):
                 self.ray.kill(p.actor, no_restart=True)
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 
-            with _quiet(self.ray):
+            with contextlib.suppress(self.ray.exceptions.RayError, ValueError):
                 remove_placement_group(self.group)
-
-
-class _quiet:
-    """Ignore a Ray error from a host that is already gone."""
-
-    def __init__(self, ray):
-        self.ray = ray
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return exc_type is not None and issubclass(exc_type, (self.ray.exceptions.RayError, ValueError))
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def launch(options: Options) -> int:
@@ -552,6 +538,9 @@ def launch(options: Options) -> int:
         ranks: dict[str, int] = {}
         try:
             for number in range(1, options.max_restarts + 2):
+                if received:  # between attempts
+                    _say(f"{signal.Signals(received[0]).name}: no further attempt; exit status {128 + received[0]}")
+                    return 128 + received[0]
                 attempt = Attempt(ray, options, hosts, number, ranks)
                 current[:] = [attempt]
                 try:
@@ -564,10 +553,9 @@ def launch(options: Options) -> int:
                     except ray.exceptions.RayError as e:  # a node lost while its actor started
                         outcome = Outcome(1, f"placing the processes failed ({type(e).__name__})", True)
                     else:
-                        ranks = {p.node_id: p.rank for p in attempt.processes}
-                        if received:
-                            attempt.interrupted = received[0]
-                        outcome = attempt.run()
+                        ranks = {p.node_id: p.rank for p in attempt.processes} or ranks
+                        outcome = attempt.run() if attempt.processes else Outcome(
+                            128 + received[0], f"stopped by {signal.Signals(received[0]).name} while placing", False)
                 finally:
                     attempt.release()
                 if outcome.status == 0:
