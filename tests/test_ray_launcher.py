@@ -108,7 +108,10 @@ def cluster():
 class Launch:
     """`python -m olmo_eqx.infra.ray_launcher` running, its output collected as it comes."""
 
+    started: list["Launch"] = []
+
     def __init__(self, cluster: Cluster, job: list[str], env: Optional[dict] = None, options: Sequence[str] = ()):
+        Launch.started.append(self)
         self.lines: list[str] = []
         self.process = subprocess.Popen(
             [*LAUNCHER, "--address", cluster.address, "--hosts", "2", "--placement-timeout", "120",
@@ -133,6 +136,21 @@ class Launch:
             if match := pattern.search(line):
                 return int(match.group(1))
         raise LookupError(f"attempt {attempt} has not started process {rank}:\n{''.join(self.lines)}")
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_outlives_its_test():
+    """A test that fails before waiting for its launcher: Ctrl-C to it (it stops its processes)."""
+    yield
+    while Launch.started:
+        launch = Launch.started.pop()
+        if launch.process.poll() is None:
+            launch.process.send_signal(signal.SIGINT)
+            try:
+                launch.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launch.process.kill()
+                launch.process.wait()
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
