@@ -39,14 +39,10 @@ def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]]) -> int 
     return constants[0] if len(constants) == 1 and len(condition) <= 4 else None
 
 
-def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple[int, ...], str]], bool]:
-    """Per collective kind: {count, bytes} per step, with while-loop trip counts applied.
-
-    Bytes are those of the full tensor each op produces (all-gather, all-reduce) or consumes
-    (reduce-scatter: its input): what a ring moves through every device, to a factor (n-1)/n.
-    Also returns what is all-gathered, (dtype, shape, jax op name), and whether some loop's trip count was unknown
-    (then the figures are lower bounds).
-    """
+def _program(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int], dict[str, list[tuple[str, int]]], set[str]]:
+    """The program's instructions by computation, (kind, shape, rest of the line); how many
+    times each computation runs per step (while-loop trip counts applied); the call graph;
+    and the bodies of loops whose trip count is unknown."""
     instructions: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # computation -> (kind, shape, rest)
     entry, current = None, None
     for line in hlo.splitlines():
@@ -84,6 +80,37 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
             visit(callee, times * n)
 
     visit(entry, 1)
+    return instructions, runs, callees, unknown_loops
+
+
+def _collectives(instructions, runs):
+    """Every collective that runs: (computation, kind without -start, shape, rest of the line)."""
+    for name, instrs in instructions.items():
+        for kind, shape, rest in instrs:
+            base = kind.removesuffix("-start")
+            if base in COLLECTIVES and not kind.endswith("-done") and runs.get(name):
+                yield name, base, shape, rest
+
+
+def _moved_shapes(base: str, shape: str, rest: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors a collective's bytes are counted from: a reduce-scatter's input (its
+    operands' shapes), every other collective's output."""
+    if base == "reduce-scatter":
+        shapes = _shapes(rest.split(")")[0])
+        if shapes:
+            return shapes
+    return _shapes(shape)
+
+
+def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple[int, ...], str]], bool]:
+    """Per collective kind: {count, bytes} per step, with while-loop trip counts applied.
+
+    Bytes are those of the full tensor each op produces (all-gather, all-reduce) or consumes
+    (reduce-scatter: its input): what a ring moves through every device, to a factor (n-1)/n.
+    Also returns what is all-gathered, (dtype, shape, jax op name), and whether some loop's trip count was unknown
+    (then the figures are lower bounds).
+    """
+    instructions, runs, callees, unknown_loops = _program(hlo)
 
     def has_collective(name: str) -> bool:
         return any(k.removesuffix("-start") in COLLECTIVES for k, _, _ in instructions.get(name, ())) or any(
@@ -94,18 +121,112 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
     unknown_trip = any(has_collective(body) for body in unknown_loops)
     traffic = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
     gathered = []
-    for name, instrs in instructions.items():
-        for kind, shape, rest in instrs:
-            base = kind.removesuffix("-start")
-            if base not in COLLECTIVES or kind.endswith("-done") or not runs.get(name):
-                continue
-            # reduce-scatter: count the input it reduces (the operands' shapes), else the output.
-            shapes = _shapes(rest.split(")")[0]) if base == "reduce-scatter" else _shapes(shape)
-            if base == "reduce-scatter" and not shapes:
-                shapes = _shapes(shape)
-            traffic[base]["count"] += runs[name]
-            traffic[base]["bytes"] += runs[name] * _nbytes(shapes)
-            if base == "all-gather":
-                op = re.search(r'op_name="([^"]*)"', rest)
-                gathered.extend((dtype, dims, op.group(1) if op else "?") for dtype, dims in _shapes(shape))
+    for name, base, shape, rest in _collectives(instructions, runs):
+        traffic[base]["count"] += runs[name]
+        traffic[base]["bytes"] += runs[name] * _nbytes(_moved_shapes(base, shape, rest))
+        if base == "all-gather":
+            op = re.search(r'op_name="([^"]*)"', rest)
+            gathered.extend((dtype, dims, op.group(1) if op else "?") for dtype, dims in _shapes(shape))
     return traffic, gathered, unknown_trip
+
+
+# ---------------------------------------------------------------------------------------------
+# Which devices a collective joins. The ids in an SPMD program's replica groups (and a
+# collective-permute's pairs) are partition ids: positions in the program's device assignment,
+# which for shardings on one mesh is the mesh's devices in flat order.
+
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}"
+)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _iota(dims: list[int], perm: str | None) -> "object":
+    import numpy as np
+
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(_ints(perm)) if perm else ids
+
+
+def device_groups(rest: str, n_devices: int) -> list[list[int]]:
+    """The groups of partition ids a collective's attributes name (all three of XLA's forms:
+    explicit `{{0,1},{2,3}}`, iota `[2,2]<=[4]T(1,0)`, and mesh axes `mesh['axis_0'=2,...]
+    {'axis_0'}`), or a collective-permute's source -> target pairs as 2-device groups.
+    Raises ValueError on a form it cannot read, so that no collective is silently missed."""
+    import numpy as np
+
+    if m := re.search(r"source_target_pairs=\{(.*?)\}\}", rest):
+        return [_ints(pair) for pair in re.findall(r"\{([\d,]+)", m.group(1) + "}")]
+    if m := _IOTA_GROUPS.search(rest):
+        shape = _ints(m.group(1))
+        return _iota(_ints(m.group(2)), m.group(3)).reshape(shape).tolist()
+    if m := _MESH_GROUPS.search(rest):
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = _iota(_ints(m.group(2)), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))
+        ids = np.asarray(ids).reshape(sizes)
+        over = re.findall(r"'([^']+)'", m.group(4))
+        if any(":" in a for a in m.group(4).split(",")) or not set(over) <= set(names):
+            raise ValueError(f"replica groups over sub-axes are not read here: {m.group(0)}")
+        inner = [names.index(a) for a in over]
+        outer = [i for i in range(len(names)) if i not in inner]
+        grid = ids.transpose(outer + inner).reshape(-1, int(np.prod([sizes[i] for i in inner])))
+        return grid.tolist()
+    if m := re.search(r"replica_groups=\{(.*?)\}(?:,|$|\s)", rest):
+        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(0)[len("replica_groups="):])]
+        # `{}`: one group of every device.
+        return [g for g in groups if g] or [list(range(n_devices))]
+    raise ValueError(f"no replica groups found in a collective: {rest[:200]}")
+
+
+def cross_slice_collectives(hlo: str, slice_of: list[int]) -> list[dict]:
+    """The collectives of a compiled step that join devices of more than one slice.
+
+    `slice_of[i]`: the slice of partition i (`olmo_eqx.sharding.slice_of_devices(mesh)`). Each
+    entry: kind, the tensors it moves (dtype, shape), its bytes (counted as
+    `collective_traffic` counts them: the full tensors, per device), its runs per step (loop
+    trip counts applied), and the jax op it came from. With the slice axis outermost and
+    weights never split over it, only the gradients' reduction (and the loss's scalar sums)
+    should be here: a weight all-gather or an activation collective that crossed slices would
+    show as another kind, or as tensors that are not gradients.
+    """
+    instructions, runs, _, _ = _program(hlo)
+    crossing = []
+    for name, base, shape, rest in _collectives(instructions, runs):
+        groups = device_groups(rest, len(slice_of))
+        if not any(len({slice_of[i] for i in group}) > 1 for group in groups):
+            continue
+        moved = _moved_shapes(base, shape, rest)
+        op = re.search(r'op_name="([^"]*)"', rest)
+        crossing.append({
+            "kind": base,
+            "tensors": moved,
+            "bytes": _nbytes(moved),
+            "runs": runs[name],
+            "group_size": max(len(g) for g in groups),
+            "op": op.group(1) if op else "?",
+        })
+    return crossing
+
+
+def cross_slice_summary(crossing: list[dict]) -> dict:
+    """Per step: the bytes and count of cross-slice collectives by kind, and how much of it is
+    gradient-sized (tensors) against scalars (the loss's sums, the token count)."""
+    by_kind: dict[str, dict] = {}
+    scalars = 0
+    for c in crossing:
+        entry = by_kind.setdefault(c["kind"], {"count": 0, "bytes": 0})
+        entry["count"] += c["runs"]
+        entry["bytes"] += c["runs"] * c["bytes"]
+        scalars += c["runs"] * sum(1 for _, dims in c["tensors"] if not dims)
+    return {
+        "bytes": sum(k["bytes"] for k in by_kind.values()),
+        "count": sum(k["count"] for k in by_kind.values()),
+        "by_kind": by_kind,
+        "scalars": scalars,
+        "dtypes": sorted({dtype for c in crossing for dtype, _ in c["tensors"]}),
+    }
