@@ -102,10 +102,28 @@ def format_plan(p: dict) -> str:
     for kind, t in p["collectives"].items():
         if t["count"]:
             lines.append(f"  {kind:<18} {t['count']:>6} ops  {t['bytes'] / GIB:10.2f} GiB")
+    if x := p.get("cross_slice"):
+        lines += ["", format_cross_slice(x, p["mesh"]["slice"])]
     lines.append(f"model FLOPs per device per step: {p['model_flops_per_device']:.3e}")
     lines += [f"warning: {w}" for w in p["warnings"]] or ["the batch is split over every device; no batch-sized all-gathers"]
     if p.get("estimate"):
         lines += ["", format_estimate(p)]
+    return "\n".join(lines)
+
+
+def format_cross_slice(x: dict, slices: int) -> str:
+    """The cross-slice (DCN) traffic of a multi-slice plan, and what it is."""
+    kinds = ", ".join(f"{k['count']} {kind}" for kind, k in x["by_kind"].items()) or "none"
+    lines = [f"cross-slice collectives per step ({slices} slices; per device, bytes of the full tensors): "
+             f"{x['bytes'] / GIB:.3f} GiB in {kinds} ({'/'.join(x['dtypes']) or '-'})"]
+    if x["count"]:
+        kinds_only_reductions = set(x["by_kind"]) <= {"all-reduce", "reduce-scatter"}
+        lines.append(
+            f"  {x['tensor_elements']:,} tensor elements and {x['scalars']} scalar(s) reduced across slices; the model has "
+            f"{x['parameters']:,} parameters, {x['parameters_per_device']:,} per device inside a slice"
+        )
+        lines.append("  " + ("only reductions cross slices: the gradients' (and the loss's sums)" if kinds_only_reductions
+                             else "WARNING: more than reductions cross slices (a weight or activation collective over DCN)"))
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ on this CPU host (nothing is allocated, no TPU is needed).
     cpu:8                      8 fake CPU devices (XLA:CPU; the default)
     tpu:v5p:4x4x8              a 128-chip v5p slice (topology names as in Cloud TPU's docs)
     tpu:v6e:16x16              a 256-chip v6e slice
-    tpu:v5p:8x8x8:2            two 512-chip slices (multi-slice; put `mesh.data` over them)
+    tpu:v5p:8x8x8:2            two 512-chip slices (multi-slice: with `mesh.slice=2`)
     gpu:h100:8                 8 H100s (one host); gpu:h200:16 two hosts of 8 H200s
 
 A TPU target needs libtpu (`pip install -e '.[tpu]'`, which pins `jax[tpu]` to the tested jax),
