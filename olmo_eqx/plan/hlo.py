@@ -141,6 +141,9 @@ _MESH_GROUPS = re.compile(
 )
 
 
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -176,8 +179,8 @@ def device_groups(rest: str, n_devices: int) -> list[list[int]]:
         outer = [i for i in range(len(names)) if i not in inner]
         grid = ids.transpose(outer + inner).reshape(-1, int(np.prod([sizes[i] for i in inner])))
         return grid.tolist()
-    if m := re.search(r"replica_groups=\{(.*?)\}(?:,|$|\s)", rest):
-        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(0)[len("replica_groups="):])]
+    if m := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest):
+        groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
         # `{}`: one group of every device.
         return [g for g in groups if g] or [list(range(n_devices))]
     raise ValueError(f"no replica groups found in a collective: {rest[:200]}")
@@ -196,6 +199,25 @@ def cross_slice_collectives(hlo: str, slice_of: list[int]) -> list[dict]:
     """
     instructions, runs, _, _ = _program(hlo)
     crossing = []
+    # XLA:TPU compiles a multi-slice program per slice: its collectives join the devices of
+    # one slice, and what crosses slices leaves as host transfers to the DCN runtime
+    # (megascale), a `send` per transfer that names the collective it is part of.
+    for name, instrs in instructions.items():
+        for kind, shape, rest in instrs:
+            if kind != "send" or not runs.get(name) or not (m := _MEGASCALE.search(rest)):
+                continue
+            op = re.search(r'op_name="([^"]*)"', rest)
+            data = _shapes(shape)[:1]  # (data, context, token)
+            crossing.append({
+                "kind": m.group(1).lower().replace("_", "-"),
+                "tensors": data,
+                "bytes": _nbytes(data),
+                "runs": runs[name],
+                "group_size": 0,  # one device per slice; the runtime does not say
+                "op": op.group(1) if op else "?",
+            })
+    if (m := re.search(r"num_partitions=(\d+)", hlo.split("\n", 1)[0])) and int(m.group(1)) < len(slice_of):
+        return crossing  # a per-slice program: its own collectives stay inside the slice
     for name, base, shape, rest in _collectives(instructions, runs):
         groups = device_groups(rest, len(slice_of))
         if not any(len({slice_of[i] for i in group}) > 1 for group in groups):
