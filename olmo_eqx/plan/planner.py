@@ -93,6 +93,8 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
     )
     if mesh.shape["slice"] > 1:
         result["cross_slice"] = cross_slice_traffic(step.hlo, mesh, state)
+        if chip and chip.dcn_bandwidth:
+            result["cross_slice"]["dcn_bandwidth"] = chip.dcn_bandwidth
     # An accelerator's compiler refuses what does not fit (XLA:TPU) or only logs it (XLA:GPU):
     # compare with the chip either way; XLA:CPU's figures are compared with the usual chips.
     if chip:

@@ -124,6 +124,12 @@ def format_cross_slice(x: dict, slices: int) -> str:
         )
         lines.append("  " + ("only reductions cross slices: the gradients' (and the loss's sums)" if kinds_only_reductions
                              else "WARNING: more than reductions cross slices (a weight or activation collective over DCN)"))
+        if bandwidth := x.get("dcn_bandwidth"):
+            # A ring all-reduce over n slices sends 2 (n - 1) / n of the tensor from each device.
+            sent = x["bytes"] * 2 * (slices - 1) / slices
+            lines.append(f"  at the chip's published DCN bandwidth ({8 * bandwidth / 1e9:g} Gb/s): {sent / bandwidth:.3f} s "
+                         f"per step if none of it overlaps with compute (a ring all-reduce over {slices} slices sends "
+                         f"{2 * (slices - 1) / slices:g} x the tensors from each device)")
     return "\n".join(lines)
 
 
