@@ -9,7 +9,7 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([0-9,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
 
 
 def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -26,8 +26,25 @@ def _nbytes(shapes) -> int:
     return total
 
 
-def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]]) -> int | None:
-    """Iterations of a while loop: XLA's annotation, else a scan's `counter < constant` test."""
+def _loop_start(while_attrs: str, named: dict[str, tuple[str, str, str]]) -> int:
+    """Where a scan's counter starts: the first element of the loop's initial tuple, when it is
+    a constant. XLA:TPU peels a loop's first iteration out (`loop_peel`) and starts the rest
+    at 1 against the same `counter < constant` test; counted from 0 that is one too many."""
+    if not (m := re.match(r"%?([\w.\-]+)\)", while_attrs)) or named.get(m.group(1), ("",))[0] != "tuple":
+        return 0
+    first = re.match(r"%?([\w.\-]+)", named[m.group(1)][2])
+    kind, shape, rest = named.get(first.group(1) if first else "", ("", "", ""))
+    for _ in range(4):  # through the copies XLA puts between the constant and the tuple
+        if kind != "copy" or not (source := re.match(r"%?([\w.\-]+)\)", rest)):
+            break
+        kind, shape, rest = named.get(source.group(1), ("", "", ""))
+    value = re.match(r"(-?\d+)\)", rest) if kind == "constant" and shape.split("{")[0] == "s32[]" else None
+    return int(value.group(1)) if value else 0
+
+
+def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]], start: int = 0) -> int | None:
+    """Iterations of a while loop: XLA's annotation, else a scan's `counter < constant` test
+    from the counter's start."""
     if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', while_attrs):
         return int(m.group(1))
     # Shapes carry a layout on accelerators (s32[]{:T(128)} on TPU).
@@ -36,7 +53,7 @@ def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]]) -> int 
     ]
     constants = [int(c.group(1)) for c in constants if c]
     # A lax.scan / static fori_loop counts from 0 up to one scalar constant.
-    return constants[0] if len(constants) == 1 and len(condition) <= 4 else None
+    return max(constants[0] - start, 0) if len(constants) == 1 and len(condition) <= 4 else None
 
 
 def _program(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int], dict[str, list[tuple[str, int]]], set[str]]:
@@ -44,6 +61,7 @@ def _program(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str,
     times each computation runs per step (while-loop trip counts applied); the call graph;
     and the bodies of loops whose trip count is unknown."""
     instructions: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # computation -> (kind, shape, rest)
+    named: dict[str, dict[str, tuple[str, str, str]]] = defaultdict(dict)  # computation -> name -> the same
     entry, current = None, None
     for line in hlo.splitlines():
         # Computation headers start in column 0; instructions are indented.
@@ -53,7 +71,8 @@ def _program(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str,
                 entry = current
             continue
         if current and (m := _INSTRUCTION.match(line)):
-            instructions[current].append((m.group(2), m.group(1), m.group(3)))
+            instructions[current].append((m.group(3), m.group(2), m.group(4)))
+            named[current][m.group(1)] = instructions[current][-1]
     # How many times each computation runs per step: walk calls from the entry.
     callees: dict[str, list[tuple[str, int]]] = defaultdict(list)
     unknown_loops: set[str] = set()
@@ -62,7 +81,7 @@ def _program(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str,
             if kind == "while":
                 body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
                 condition = re.search(r"condition=%?([\w.\-]+)", rest).group(1)
-                trip = _trip_count(rest, instructions.get(condition, []))
+                trip = _trip_count(rest, instructions.get(condition, []), _loop_start(rest, named[name]))
                 if trip is None:
                     unknown_loops.add(body)
                 callees[name].append((body, trip or 1))
