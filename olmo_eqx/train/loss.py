@@ -151,10 +151,6 @@ def objective(sums: LossSums, z_loss_weight: float, normaliser: Float[Array, ""]
     return (sums.ce + z_loss_weight * sums.z) / jnp.maximum(normaliser, 1.0)
 
 
-# The head weight's logical axes (the model's `lm_head`), for its gradient's layout.
-HEAD = ("embed", "vocab")
-
-
 def fused_head_loss(
     hidden: Float[Array, "batch seq d_model"],
     head: Float[Array, "d_model padded_vocab"],
@@ -179,6 +175,7 @@ def fused_head_loss(
     TPU (docs/performance.md, "Speed on TPU").
     """
     labels, weights = _shifted_targets(input_ids, loss_mask)
+    head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
     batch, length, d_model = hidden.shape
     n_chunks = -(-length // chunk_size)
     size = min(chunk_size, length)
@@ -199,17 +196,11 @@ def fused_head_loss(
         d_logits = constrain(d_logits, ("batch", "sequence", "act_vocab"))
         d_h = jnp.einsum("bcv,dv->bcd", d_logits, head)
         d_head = d_head + jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
-        return (ce + sums.ce, z + sums.z, constrain(d_head, HEAD)), d_h
+        return (ce + sums.ce, z + sums.z, d_head), d_h
 
-    def run(hidden, weight):
+    def run(hidden, head):
         zero = jnp.zeros((), jnp.float32)
-        # Gathered here, inside the custom VJP, so that the gradient leaves in the weight's own
-        # (FSDP) layout instead of the gathered one's, which would gather it again.
-        head = constrain(weight.astype(hidden.dtype), ("act_embed", "act_vocab"))
-        # The head's gradient accumulates in the head's own layout: each chunk's batch sum is
-        # then a reduce-scatter into the FSDP shards. Unpinned, GSPMD all-reduced the whole
-        # [d_model, vocab] float32 gradient once per chunk, across every device (and slice).
-        init = (zero, zero, constrain(jnp.zeros(head.shape, jnp.float32), HEAD))
+        init = (zero, zero, jnp.zeros(head.shape, jnp.float32))
         if n_chunks == 1:
             (ce, z, d_head), d_hidden = chunk_pass(head, init, (hidden, labels, weights))
         else:
