@@ -167,8 +167,8 @@ class ShardingRules:
     # OLMo-Hybrid's short convolution taps (tiny): replicated.
     conv: Optional[str] = None
     # Activations (pinned by the model through `ActivationSharding`). The batch is split over
-    # every data-parallel axis, the slices first; the model dimension stays whole (FSDP gathers weights, not
-    # activations); heads, MLP hidden and vocab follow tensor parallelism.
+    # every data-parallel axis, the slices first; the model dimension stays whole (FSDP gathers
+    # weights, not activations); heads, MLP hidden and vocab follow tensor parallelism.
     batch: tuple[str, ...] = ("slice", "data", "fsdp", "expert")
     sequence: Optional[str] = "context"
     # The embedding lookup's rows before they are spread over every batch axis: the batch axes

@@ -56,7 +56,10 @@ def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]], start: 
     return max(constants[0] - start, 0) if len(constants) == 1 and len(condition) <= 4 else None
 
 
-def _program(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int], dict[str, list[tuple[str, int]]], set[str]]:
+_Instructions = dict[str, list[tuple[str, str, str]]]
+
+
+def _program(hlo: str) -> tuple[_Instructions, dict[str, int], dict[str, list[tuple[str, int]]], set[str]]:
     """The program's instructions by computation, (kind, shape, rest of the line); how many
     times each computation runs per step (while-loop trip counts applied); the call graph;
     and the bodies of loops whose trip count is unknown."""
