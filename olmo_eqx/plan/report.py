@@ -104,6 +104,9 @@ def format_plan(p: dict) -> str:
             lines.append(f"  {kind:<18} {t['count']:>6} ops  {t['bytes'] / GIB:10.2f} GiB")
     if x := p.get("cross_slice"):
         lines += ["", format_cross_slice(x, p["mesh"]["slice"])]
+        if p["micro_batches"] > 1:
+            lines.append(f"  with {p['micro_batches']} micro-batches the gradients are reduced across slices once per "
+                         "micro-batch (the accumulator is laid out like the parameters): that many times the traffic")
     lines.append(f"model FLOPs per device per step: {p['model_flops_per_device']:.3e}")
     lines += [f"warning: {w}" for w in p["warnings"]] or ["the batch is split over every device; no batch-sized all-gathers"]
     if p.get("estimate"):
