@@ -9,6 +9,12 @@ parallelism is a config change: give "tensor" a size > 1 in `MeshConfig`.
 Scale never changes code: a dimension that the mesh axis does not divide (a 64-wide model on
 8 devices) is replicated instead of failing, so the same rules run a toy on a laptop and the
 7B on a pod.
+
+Several slices (TPU pods joined over the data-center network, DCN) get an outermost "slice"
+axis: the batch is split over it first, and no weight or optimiser state is ever split over
+it, so FSDP, tensor, context and expert parallelism stay inside a slice (on its ICI) and the
+only traffic between slices is the gradients' reduction: MaxText's `dcn_data_parallelism`
+beside its `ici_*` axes, OLMo-core's HSDP.
 """
 
 import dataclasses
@@ -24,7 +30,9 @@ from .models.config import ModelConfig
 from .models.base import LogicalAxes, logical_axes, unconstrained
 from .models.registry import abstract_model
 
-MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+MESH_AXES = ("slice", "data", "fsdp", "context", "tensor", "expert")
+# The one mesh axis that crosses slices: only the batch may be split over it (ShardingRules).
+SLICE_AXIS = "slice"
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,15 @@ class MeshConfig:
     and back by all-to-all. The expert axis is also a data-parallel axis (the batch is split
     over it) and the non-expert weights are FSDP-split over it too, so data x fsdp x expert
     devices hold one copy of the model. Dense models ignore it (it only splits the batch).
+
+    `slice` > 1 splits the devices into that many slices (the outermost axis): data parallel
+    across slices, every other axis inside one. On TPU devices of several slices (they carry a
+    `slice_index`) it must equal the number of slices, and the mesh follows the hardware's
+    slices; elsewhere (CPU, GPU, one TPU slice) the device list is split in order into equal
+    groups, which stand for slices.
     """
 
+    slice: int = 1
     data: int = 1
     fsdp: int = -1
     context: int = 1
@@ -48,7 +63,14 @@ class MeshConfig:
     expert: int = 1
 
     def shape(self, n_devices: int) -> tuple[int, ...]:
-        sizes = [self.data, self.fsdp, self.context, self.tensor, self.expert]
+        if self.slice < 1:
+            raise ValueError(f"mesh: slice={self.slice} must be the number of slices, 1 or more")
+        if n_devices % self.slice:
+            raise ValueError(
+                f"mesh: {n_devices} devices do not split into slice={self.slice} equal slices; "
+                f"set mesh.slice to a divisor of {n_devices}"
+            )
+        sizes = [self.slice, self.data, self.fsdp, self.context, self.tensor, self.expert]
         described = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, sizes))
         if sizes.count(-1) > 1:
             raise ValueError(f"mesh: at most one axis may be -1 (got {described})")
@@ -69,14 +91,20 @@ class MeshConfig:
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Optional[list] = None) -> Mesh:
-    """A ("data", "fsdp", "context", "tensor", "expert") mesh over `devices` (default: every device).
+    """A ("slice", "data", "fsdp", "context", "tensor", "expert") mesh over `devices` (default: every device).
 
     Axis types are *Auto* (GSPMD propagation): jax >= 0.10 defaults to Explicit, under which
     a matmul over a sharded contracting dimension fails without an explicit out_sharding.
+    Devices of several TPU slices are laid out by slice (`create_hybrid_device_mesh`: each
+    slice's devices in its torus order, the slices outermost); any other list is split in
+    order, `mesh.slice` equal groups standing for slices.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = config.shape(len(devices))
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = physical_slices(devices)
+    if slices > 1:
+        return Mesh(_hybrid_grid(shape, slices, devices), MESH_AXES, axis_types=axis_types)
     try:
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
     except NotImplementedError:
@@ -86,6 +114,36 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices: Optional[list] = None)
 
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def physical_slices(devices: list) -> int:
+    """How many slices `devices` come from: distinct `slice_index` values (multi-slice TPU), else 1."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def _hybrid_grid(shape: tuple[int, ...], slices: int, devices: list):
+    """The device grid of a multi-slice mesh: the slice axis over DCN, every other inside a slice."""
+    from jax.experimental import mesh_utils
+
+    if shape[0] != slices:
+        raise ValueError(
+            f"mesh: the {len(devices)} devices form {slices} slices (their slice_index) but mesh.slice={shape[0]}; "
+            f"set mesh.slice={slices}, so that FSDP and tensor parallelism stay inside a slice"
+        )
+    ici, dcn = (1, *shape[1:]), (slices,) + (1,) * (len(shape) - 1)
+    try:
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    except NotImplementedError:
+        # As in make_mesh: a slice's torus may need one physical axis split between two mesh axes.
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+
+
+def slice_of_devices(mesh: Mesh) -> list[int]:
+    """The slice (position on the "slice" axis) of each of `mesh`'s devices, in the mesh's flat
+    order: the order of a program's partitions when it is compiled for shardings on this mesh."""
+    import numpy as np
+
+    return np.indices(mesh.devices.shape)[MESH_AXES.index(SLICE_AXIS)].ravel().tolist()
 
 
 @dataclass(frozen=True)
@@ -108,10 +166,13 @@ class ShardingRules:
     # OLMo-Hybrid's short convolution taps (tiny): replicated.
     conv: Optional[str] = None
     # Activations (pinned by the model through `ActivationSharding`). The batch is split over
-    # every data-parallel axis; the model dimension stays whole (FSDP gathers weights, not
-    # activations); heads, MLP hidden and vocab follow tensor parallelism.
-    batch: tuple[str, ...] = ("data", "fsdp", "expert")
+    # every data-parallel axis, the slices first; the model dimension stays whole (FSDP gathers
+    # weights, not activations); heads, MLP hidden and vocab follow tensor parallelism.
+    batch: tuple[str, ...] = ("slice", "data", "fsdp", "expert")
     sequence: Optional[str] = "context"
+    # The embedding lookup's rows before they are spread over every batch axis: the batch axes
+    # the table is not split over (`models.base.embed_tokens`).
+    lookup_batch: tuple[str, ...] = ("slice", "data")
     act_embed: Optional[str] = None
     act_heads: Optional[str] = "tensor"
     act_kv_heads: Optional[str] = "tensor"
@@ -132,6 +193,13 @@ class ShardingRules:
             for name in value if isinstance(value, tuple) else (value,):
                 if name is not None and name not in MESH_AXES:
                     raise ValueError(f"sharding rule {f.name}={value!r}: mesh axes are {MESH_AXES} (or null)")
+                # Weights replicated across slices, every other axis inside one: the only
+                # traffic over DCN is then the gradients' reduction (and the loss's sums).
+                if name == SLICE_AXIS and f.name not in ("batch", "lookup_batch"):
+                    raise ValueError(
+                        f"sharding rule {f.name}={value!r}: the {SLICE_AXIS!r} axis splits the batch only "
+                        "(data parallel across slices); use it in `batch` and not here"
+                    )
 
     def mesh_axes(self, logical: str) -> Any:
         if not hasattr(self, logical):
@@ -226,7 +294,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> NamedSharding:
-    """Sharding of a global [batch, seq] input array: batch over ("data", "fsdp", "expert"), seq whole."""
+    """Sharding of a global [batch, seq] input array: batch over ("slice", "data", "fsdp", "expert"), seq whole."""
     return NamedSharding(mesh, P(rules.mesh_axes("batch"), None))
 
 

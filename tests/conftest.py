@@ -66,6 +66,7 @@ SLOWEST_FILES = (
     "test_pretrain.py",  # ~95 s
     "test_checkpoint_remote.py",  # ~70 s
     "test_tpu_compile.py",  # ~60 s
+    "test_slices.py",  # ~60 s
     "test_model_parity.py",  # ~60 s
     "test_hybrid_parity.py",
     "test_anneal.py",

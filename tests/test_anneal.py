@@ -160,7 +160,7 @@ def test_long_context_from_a_checkpoint_with_context_parallelism(pretrained, tmp
     assert config.data.document_masking and config.optim.lr == 2.07e-4
     summary = load_stage("long_context").run(config, tmp_path)
     out = capsys.readouterr().out
-    assert "(weights and optimiser state)" in out and "mesh {'data': 1, 'fsdp': 4, 'context': 2, 'tensor': 1, 'expert': 1}" in out
+    assert "(weights and optimiser state)" in out and "mesh {'slice': 1, 'data': 1, 'fsdp': 4, 'context': 2, 'tensor': 1, 'expert': 1}" in out
     assert "held-out loss at sequence length 256" in out
     assert "held-out loss at sequence length 256" in (tmp_path / "train.log").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["heldout_loss_before"] == summary["heldout_loss_before"]

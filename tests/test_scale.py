@@ -53,7 +53,7 @@ def test_the_checks_see_unpinned_activations(monkeypatch, plans):
 
 def test_tensor_parallel_layout_keeps_the_batch_split():
     p = plan_for(8, "mesh=fsdp_tp2")
-    assert p["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2, "expert": 1} and p["batch_sized_all_gathers"] == 0
+    assert p["mesh"] == {"slice": 1, "data": 1, "fsdp": 4, "context": 1, "tensor": 2, "expert": 1} and p["batch_sized_all_gathers"] == 0
     assert any("computed on 2 devices" in w for w in p["warnings"])  # TP: each sequence on its tensor pair
 
 

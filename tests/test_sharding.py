@@ -31,10 +31,10 @@ TINY = ModelConfig(
 
 def test_mesh_shapes_and_axis_types():
     mesh = make_mesh(MeshConfig())
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1}
-    assert mesh.axis_types == (AxisType.Auto,) * 5  # not jax 0.10's Explicit default
+    assert dict(mesh.shape) == {"slice": 1, "data": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 6  # not jax 0.10's Explicit default
     assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2)).shape) == {
-        "data": 2, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1
+        "slice": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1
     }
     assert make_mesh(MeshConfig(fsdp=2, expert=4)).shape["expert"] == 4
     assert make_mesh(MeshConfig(), jax.devices()[:4]).size == 4
@@ -91,7 +91,7 @@ def test_rules_name_real_mesh_axes():
 
 def test_batch_sharding():
     mesh = make_mesh(MeshConfig(data=2, fsdp=-1))
-    assert batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), None)
+    assert batch_sharding(mesh).spec == P(("slice", "data", "fsdp", "expert"), None)
 
 
 TWO_PROCESS_SCRIPT = textwrap.dedent(

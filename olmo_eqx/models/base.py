@@ -32,6 +32,21 @@ def unconstrained(x: Array, axes: tuple[str, ...]) -> Array:
     return x
 
 
+def embed_tokens(
+    table: Float[Array, "vocab d_model"], tokens: Int[Array, "batch seq"], dtype, constrain: Constrain
+) -> Float[Array, "batch seq d_model"]:
+    """The embedding lookup, laid out in two pinned steps (`constrain`).
+
+    Each device first gathers its own columns of the table (d_model split like the table) for
+    every row of its `lookup_batch` share, then one all-to-all hands each device its rows of
+    the whole width (the block layout). Left to itself GSPMD took the first step on its own
+    with one slice, but with several it gathered activations across slices, forward and in the
+    gradient's scatter; pinned, the lookup and its gradient stay inside a slice.
+    """
+    x = constrain(jnp.take(table, tokens, axis=0), ("lookup_batch", "sequence", "embed"))
+    return constrain(x.astype(dtype), ("batch", "sequence", "act_embed"))
+
+
 def over_layers(body: Callable, x: PyTree, stacked: PyTree, *, scanned: bool) -> tuple[PyTree, PyTree]:
     """`jax.lax.scan(body, x, stacked)` over a stack of layers (or cycles of layers): a scan when
     `scanned` (`ModelConfig.scanned`), else the same steps as a Python loop.

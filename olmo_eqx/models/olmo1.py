@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import HEADS, KV_HEADS, AttentionMask, attend, program_platform
-from .base import CausalLM, Constrain, over_layers, unconstrained
+from .base import CausalLM, Constrain, embed_tokens, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 from .olmo3 import _REMAT_POLICIES, HIDDEN, MLP, Rope, _truncated_normal, dense
@@ -175,7 +175,7 @@ class OLMo1(CausalLM):
             positions = jnp.arange(tokens.shape[1])[None, :]
         else:
             positions = constrain(positions, ("batch", "sequence"))
-        x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
+        x = embed_tokens(self.embed, tokens, config.compute_dtype, constrain)
         rope = Rope(positions, config, yarn=config.yarn is not None, platform=program_platform(constrain))
         mask = AttentionMask(None, segment_ids)
 

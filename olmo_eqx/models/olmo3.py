@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import HEADS, KV_HEADS, AttentionMask, attend, program_platform, sequence_sharded
-from .base import CausalLM, Constrain, over_layers, unconstrained
+from .base import CausalLM, Constrain, embed_tokens, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 
@@ -414,7 +414,7 @@ class OLMo(CausalLM):
             positions = constrain(positions, ("batch", "sequence"))
         # Pinned here: otherwise the gather may inherit the embedding table's layout
         # (d_model over "fsdp") and every device would compute the whole global batch.
-        x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
+        x = embed_tokens(self.embed, tokens, config.compute_dtype, constrain)
         platform = program_platform(constrain)
         rope_sliding = Rope(positions, config, yarn=False, platform=platform)
         rope_full = Rope(positions, config, yarn=config.yarn is not None, platform=platform)

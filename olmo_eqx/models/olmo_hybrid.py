@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import gated_deltanet
 from .attention import AttentionMask, program_platform
-from .base import CausalLM, Constrain, over_layers, unconstrained
+from .base import CausalLM, Constrain, embed_tokens, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 from .olmo3 import _REMAT_POLICIES, HIDDEN, MLP, Block, RMSNorm, Rope, _truncated_normal, dense
@@ -245,7 +245,7 @@ class OLMoHybrid(CausalLM):
             positions = jnp.arange(tokens.shape[1])[None, :]
         else:
             positions = constrain(positions, ("batch", "sequence"))
-        x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
+        x = embed_tokens(self.embed, tokens, config.compute_dtype, constrain)
         platform = program_platform(constrain)
         rope = (
             Rope(positions, config, yarn=config.yarn is not None, platform=platform)

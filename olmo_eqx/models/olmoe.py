@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .attention import AttentionMask, program_platform
-from .base import AUX_OBJECTIVE, CausalLM, Constrain, over_layers, unconstrained
+from .base import AUX_OBJECTIVE, CausalLM, Constrain, embed_tokens, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
 from .olmo3 import _REMAT_POLICIES, HIDDEN, Attention, RMSNorm, Rope, _truncated_normal, dense, swiglu
@@ -477,7 +477,7 @@ class MoELM(CausalLM):
             positions = jnp.arange(tokens.shape[1])[None, :]
         else:
             positions = constrain(positions, ("batch", "sequence"))
-        x = constrain(jnp.take(self.embed, tokens, axis=0).astype(config.compute_dtype), HIDDEN)
+        x = embed_tokens(self.embed, tokens, config.compute_dtype, constrain)
         rope = Rope(positions, config, yarn=config.yarn is not None, platform=program_platform(constrain))
         mask = AttentionMask(None, segment_ids)
 

@@ -17,7 +17,8 @@ allocated and no chip is needed.
 - It prints per device: parameters, optimiser state, XLA's memory analysis (arguments,
   temporaries, host memory of offloaded activations) against the chip's HBM, or the
   compiler's own refusal and by how much it is over; the collective traffic of one step by
-  kind, from the compiled HLO with loop trip counts applied; the model FLOPs; the kernel
+  kind, from the compiled HLO with loop trip counts applied (with several slices, `mesh.slice=N`
+  and a `tpu:...:N` target, also what crosses slices over DCN); the model FLOPs; the kernel
   `attention_impl=auto` resolved to *for the target*.
 - With an accelerator target, an **estimate** of the step time and MFU (`+plan.estimate=false`
   skips it): XLA's cost analysis counts a loop's body once, so the step's FLOPs, HBM bytes and
@@ -38,7 +39,7 @@ HLO text (the target compiler's program, to read what it gathers, fuses and sche
 The package, one step of a plan a module (each imports only those above it in this list):
 
     targets.py    what a plan compiles for: fake CPU devices, TPU or GPU chips and their peaks
-    hlo.py        reading the compiled HLO: collective traffic with loop trip counts applied
+    hlo.py        reading the compiled HLO: collective traffic with loop trip counts applied, and what crosses slices
     compile.py    compiling the train step for a target's devices (`compile_train_step`)
     estimate.py   the step-time and MFU estimates (`estimate_step`, `add_estimate`)
     planner.py    the plan of one config (`plan_config`, `plan`)
@@ -48,7 +49,7 @@ The package, one step of a plan a module (each imports only those above it in th
 """
 
 from olmo_eqx.plan.targets import Chip, Target, gpu_devices, parse_target, tpu_devices
-from olmo_eqx.plan.hlo import COLLECTIVES, collective_traffic
+from olmo_eqx.plan.hlo import COLLECTIVES, collective_traffic, cross_slice_collectives, cross_slice_summary
 from olmo_eqx.plan.compile import CompiledStep, CompileRefused, compile_train_step, memory_bytes, target_devices
 from olmo_eqx.plan.estimate import add_estimate, estimate_step
 from olmo_eqx.plan.planner import ACCELERATORS, GIB, plan, plan_config
@@ -58,7 +59,7 @@ from olmo_eqx.plan.cli import PlanOptions, main, parse_args
 
 __all__ = [
     "ACCELERATORS", "COLLECTIVES", "Chip", "CompileRefused", "CompiledStep", "GIB", "PUBLISHED_MFU", "PlanOptions", "Target",
-    "add_estimate", "collective_traffic", "compile_train_step", "estimate_step", "format_estimate", "format_plan",
+    "add_estimate", "collective_traffic", "compile_train_step", "cross_slice_collectives", "cross_slice_summary", "estimate_step", "format_estimate", "format_plan",
     "format_row", "gpu_devices", "main", "memory_bytes", "parse_args", "parse_target", "plan", "plan_config", "search",
     "target_devices", "tpu_devices",
 ]

@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> None:
 
     config = compose_config(overrides)
     devices = target_devices(target)
+    try:
+        from olmo_eqx.sharding import make_mesh
+
+        make_mesh(config.mesh, devices)
+    except ValueError as e:  # a mesh the target's devices cannot hold, in one line
+        raise SystemExit(f"error: {e}") from None
     estimate = target.platform != "cpu" if options.estimate is None else options.estimate
     compile._progress = lambda line: print(line, flush=True)  # noqa: E731
     print(f"compiling the train step for {target.describe()} (a 7B step takes minutes on 2 cores) ...", flush=True)

@@ -34,7 +34,7 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
     from olmo_eqx.sharding import MESH_AXES, ShardingRules
 
     sizes = dict(zip(MESH_AXES, config.mesh.shape(len(devices))))
-    shards = math.prod(sizes[axis] for axis in ShardingRules().batch)  # data x fsdp x expert: the batch shards
+    shards = math.prod(sizes[axis] for axis in ShardingRules().batch)  # slice x data x fsdp x expert: the batch shards
     rows, estimated = [], 0
     started = time.perf_counter()
 

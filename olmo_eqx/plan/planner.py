@@ -9,7 +9,7 @@ from olmo_eqx.plan.compile import (
     CompileRefused, _batch_shards, _per_device_bytes, _with, compile_train_step, memory_bytes, target_devices,
 )
 from olmo_eqx.plan.estimate import _experts, add_estimate
-from olmo_eqx.plan.hlo import _BYTES, collective_traffic
+from olmo_eqx.plan.hlo import _BYTES, collective_traffic, cross_slice_collectives, cross_slice_summary
 from olmo_eqx.plan.targets import Target, parse_target
 from olmo_eqx.train.memory import Budget
 
@@ -107,6 +107,10 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
         # XLA's count is the step's own: the estimate needs no more compiles.
         xla_cost_loop_free=None if _WHILE.search(step.hlo) else step.cost,
     )
+    if mesh.shape["slice"] > 1:
+        result["cross_slice"] = cross_slice_traffic(step.hlo, mesh, state)
+        if chip and chip.dcn_bandwidth:
+            result["cross_slice"]["dcn_bandwidth"] = chip.dcn_bandwidth
     # An accelerator's compiler refuses what does not fit (XLA:TPU) or only logs it (XLA:GPU):
     # compare with the chip either way; XLA:CPU's figures are compared with the usual chips.
     if chip:
@@ -139,6 +143,28 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
     if estimate and chip:
         add_estimate(result, config, devices, chip)
     return result
+
+
+def cross_slice_traffic(hlo: str, mesh, state) -> dict:
+    """What a multi-slice step sends between slices (over DCN), per device per step: the
+    collectives whose device groups span slices, summed (`plan.hlo.cross_slice_collectives`),
+    beside the model's parameters, whole and as one device's share inside a slice (the
+    gradients' reduction across slices moves one of the two per parameter)."""
+    import jax
+
+    from olmo_eqx.sharding import slice_of_devices
+
+    crossing = cross_slice_collectives(hlo, slice_of_devices(mesh))
+    summary = cross_slice_summary(crossing)
+    params = [leaf for leaf in jax.tree.leaves(state.model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+              if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None]
+    summary["tensor_elements"] = sum(c["runs"] * math.prod(dims) for c in crossing for _, dims in c["tensors"] if dims)
+    summary["parameters"] = sum(math.prod(p.shape) for p in params)
+    summary["parameters_per_device"] = sum(math.prod(p.sharding.shard_shape(p.shape)) for p in params)
+    summary["collectives"] = [
+        {**c, "tensors": [[dtype, list(dims)] for dtype, dims in c["tensors"]]} for c in crossing
+    ]
+    return summary
 
 
 def plan(overrides: list[str], target: Target | str | int = "cpu:8", *, estimate: Optional[bool] = None) -> dict:

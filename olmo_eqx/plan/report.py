@@ -110,10 +110,37 @@ def format_plan(p: dict) -> str:
     for kind, t in p["collectives"].items():
         if t["count"]:
             lines.append(f"  {kind:<18} {t['count']:>6} ops  {t['bytes'] / GIB:10.2f} GiB")
+    if x := p.get("cross_slice"):
+        lines += ["", format_cross_slice(x, p["mesh"]["slice"])]
+        if p["micro_batches"] > 1:
+            lines.append(f"  with {p['micro_batches']} micro-batches the gradients are reduced across slices once per "
+                         "micro-batch (the accumulator is laid out like the parameters): that many times the traffic")
     lines.append(f"model FLOPs per device per step: {p['model_flops_per_device']:.3e}")
     lines += [f"warning: {w}" for w in p["warnings"]] or ["the batch is split over every device; no batch-sized all-gathers"]
     if p.get("estimate"):
         lines += ["", format_estimate(p)]
+    return "\n".join(lines)
+
+
+def format_cross_slice(x: dict, slices: int) -> str:
+    """The cross-slice (DCN) traffic of a multi-slice plan, and what it is."""
+    kinds = ", ".join(f"{k['count']} {kind}" for kind, k in x["by_kind"].items()) or "none"
+    lines = [f"cross-slice collectives per step ({slices} slices; per device, bytes of the full tensors): "
+             f"{x['bytes'] / GIB:.3f} GiB in {kinds} ({'/'.join(x['dtypes']) or '-'})"]
+    if x["count"]:
+        kinds_only_reductions = set(x["by_kind"]) <= {"all-reduce", "reduce-scatter"}
+        lines.append(
+            f"  {x['tensor_elements']:,} tensor elements and {x['scalars']} scalar(s) reduced across slices; the model has "
+            f"{x['parameters']:,} parameters, {x['parameters_per_device']:,} per device inside a slice"
+        )
+        lines.append("  " + ("only reductions cross slices: the gradients' (and the loss's sums)" if kinds_only_reductions
+                             else "WARNING: more than reductions cross slices (a weight or activation collective over DCN)"))
+        if bandwidth := x.get("dcn_bandwidth"):
+            # A ring all-reduce over n slices sends 2 (n - 1) / n of the tensor from each device.
+            sent = x["bytes"] * 2 * (slices - 1) / slices
+            lines.append(f"  at the chip's published DCN bandwidth ({8 * bandwidth / 1e9:g} Gb/s): {sent / bandwidth:.3f} s "
+                         f"per step if none of it overlaps with compute (a ring all-reduce over {slices} slices sends "
+                         f"{2 * (slices - 1) / slices:g} x the tensors from each device)")
     return "\n".join(lines)
 
 

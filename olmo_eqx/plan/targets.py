@@ -4,7 +4,7 @@ on this CPU host (nothing is allocated, no TPU is needed).
     cpu:8                      8 fake CPU devices (XLA:CPU; the default)
     tpu:v5p:4x4x8              a 128-chip v5p slice (topology names as in Cloud TPU's docs)
     tpu:v6e:16x16              a 256-chip v6e slice
-    tpu:v5p:8x8x8:2            two 512-chip slices (multi-slice; put `mesh.data` over them)
+    tpu:v5p:8x8x8:2            two 512-chip slices (multi-slice: with `mesh.slice=2`)
     gpu:h100:8                 8 H100s (one host); gpu:h200:16 two hosts of 8 H200s
 
 A TPU target needs libtpu (`pip install -e '.[tpu]'`, which pins `jax[tpu]` to the tested jax),
@@ -39,6 +39,8 @@ class Chip:
     # The side of its matrix units' systolic array (a TPU's MXU), where the docs give it: a
     # matmul whose inner dimension is narrower fills that fraction of it (`plan.estimate`).
     mxu_width: Optional[int] = None
+    # Data-center network (between slices) per chip, bytes/s, where the docs give it.
+    dcn_bandwidth: Optional[float] = None
 
 
 # Cloud TPU docs (docs.cloud.google.com/tpu/docs/{v5e,v5p,v6e,tpu7x}); H100/H200 from NVIDIA's
@@ -48,7 +50,8 @@ CHIPS = {
     # v5e: 16 GiB, of which a program gets 15.75 (a v5e's own `memory_stats()["bytes_limit"]`, and
     # XLA:TPU's "available HBM (15.75G)" when it refuses one), measured on the chip.
     "v5e": Chip("TPU v5e", 197e12, 15.75 * GIB, 819 * GB, 400 * GB, mxu_width=128),
-    "v5p": Chip("TPU v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, mxu_width=128),
+    # v5p's DCN: "Data center network (DCN) bandwidth per chip (Gbps) | 50" on its page.
+    "v5p": Chip("TPU v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, mxu_width=128, dcn_bandwidth=50e9 / 8),
     "v6e": Chip("TPU v6e", 918e12, 32 * GB, 1640 * GB, 800 * GB, mxu_width=256),
     "tpu7x": Chip("TPU7x (Ironwood)", 2307e12, 192 * GIB, 7380 * GB, 1200 * GB, devices_per_chip=2),
     "h100": Chip("H100 SXM", 989.5e12, 80 * GB, 3350 * GB, 900 * GB),
@@ -76,6 +79,7 @@ class Target:
         return dataclasses.replace(
             c, peak_bf16_flops=c.peak_bf16_flops / n, hbm_bytes=c.hbm_bytes / n,
             hbm_bandwidth=c.hbm_bandwidth / n, ici_bandwidth=c.ici_bandwidth / n,
+            dcn_bandwidth=c.dcn_bandwidth / n if c.dcn_bandwidth else None,
         )
 
     def describe(self) -> str:
