@@ -104,7 +104,7 @@ def test_soup_on_another_mesh_from_the_command_line(checkpoints, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "'data': 2" in result.stdout and "0.5000 x" in result.stdout
-    assert (tmp_path / "soup.log").read_text().startswith("cluster: local, 1 process x 2 cpu devices, mesh data=2 fsdp=1 ")
+    assert (tmp_path / "soup.log").read_text().startswith("cluster: local, 1 process x 2 cpu devices, mesh slice=1 data=2 fsdp=1 ")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["devices"] == 2 and summary["checkpoint"] == str(tmp_path / "checkpoints" / "0")
     state = read_soup(tmp_path)  # written on 2 devices, read here on 8

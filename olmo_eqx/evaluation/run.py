@@ -137,9 +137,14 @@ class Evaluator:
         self.out = RunDir(run_dir, enabled=self.main, log_name=f"{stage}.log", loggers=config.trainer.loggers,
                           sink_config=config_to_dict(config) | {"stage": asdict(settings)})
         self.run_dir = self.out.path
-        self.say(cluster_line(cluster, self.mesh))
+        # Said with the first line of the run's own: a stage refused before it says anything (a
+        # foreign or damaged HF directory, say) leaves no run dir behind, not one holding a log.
+        self._cluster_line: Optional[str] = cluster_line(cluster, self.mesh)
 
     def say(self, text: str) -> None:
+        if self._cluster_line is not None:
+            first, self._cluster_line = self._cluster_line, None
+            self.out.print(first)
         self.out.print(text)
 
     def close(self) -> None:
