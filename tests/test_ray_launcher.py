@@ -175,6 +175,8 @@ def test_the_job_trains_like_one_process_on_8_devices(uninterrupted, tmp_path):
     assert re.search(r"\[ray\] attempt 1: 2 processes, coordinator \S+:\d+; process 0: pid \d+ .*process 1: pid \d+",
                      output)
     assert "[p0] olmo3_nano: " in output and "8 cpu device(s)" in output  # one runtime over both processes
+    # The run names the launcher that started it (OLMO_EQX_LAUNCHER=ray), with both processes.
+    assert re.search(r"^\[p0\] cluster: ray \(.*\), 2 processes x 4 cpu devices, mesh slice=1 ", output, re.M), output
     assert "[ray] attempt 1: done, every process exited 0" in output and "attempt 2" not in output
     single = olmo_eqx(*JOB, f"hydra.run.dir={tmp_path}", env={"XLA_FLAGS": xla_flags(8)})
     assert single.returncode == 0, single.stderr
