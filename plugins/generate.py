@@ -93,7 +93,7 @@ class Generate:
         from olmo_eqx.config import stage_settings
         from olmo_eqx.errors import EvalError
         from olmo_eqx.evaluation.run import load_subject
-        from olmo_eqx.interop.generate import generate
+        from olmo_eqx.interop.generate import check_prompt_lengths, generate
         from olmo_eqx.run.run_dir import RunDir
         from olmo_eqx.infra.cluster import cluster_line, start_cluster
         from olmo_eqx.sharding import ShardingRules, make_mesh
@@ -114,6 +114,7 @@ class Generate:
         if any(not p for p in prompts) and tokenizer.eos_id is None:
             raise EvalError("an empty prompt needs the tokenizer's EOS token to start from, and it has none")
         ids = [encoded or [tokenizer.eos_id] for encoded in tokenizer.encode_batch(prompts)]
+        check_prompt_lengths([len(i) for i in ids], settings.max_new_tokens, subject.model.config.max_sequence_length)
         stop_ids = [tokenizer.eos_id] if settings.stop_at_eos and tokenizer.eos_id is not None else []
         started = time.perf_counter()
         new = generate(subject.model, ids, settings.max_new_tokens, temperature=settings.temperature,

@@ -75,6 +75,29 @@ def remote_sizes(train: InstanceDataset, heldout: list[HeldOutSet]) -> dict[str,
 DOLMA2_EOS = 100257  # OLMo 3's tokenizer (allenai/dolma2-tokenizer)
 
 
+def check_against_model(data: DataConfig, vocab_size: int, max_sequence_length: int) -> None:
+    """Refuse data settings the model cannot honour (`DataFileError`), before anything runs.
+
+    An EOS id outside the vocabulary never occurs in the tokens, so document masking would find
+    no boundary and silently attend across every document; a sequence longer than the model's
+    `max_sequence_length` runs positions past what the model (and its RoPE scaling) was built for.
+    """
+    if data.sequence_length > max_sequence_length:
+        raise DataFileError(
+            f"data.sequence_length={data.sequence_length} is above the model's max_sequence_length="
+            f"{max_sequence_length}: set data.sequence_length<={max_sequence_length}, or a model with a longer "
+            "context (model.max_sequence_length=..., or +stage=long_context to extend it with YaRN)"
+        )
+    options = document_options(data)
+    if options and not 0 <= options["eos_id"] < vocab_size:
+        given = "data.eos_token_id" if data.eos_token_id is not None else "the default EOS id (dolma2's)"
+        raise DataFileError(
+            f"{given}={options['eos_id']} is outside the model's vocabulary [0, {vocab_size}) while "
+            "data.document_masking=true: no document boundary would ever be found; set data.eos_token_id to "
+            "the tokenizer's EOS id"
+        )
+
+
 def document_options(data: DataConfig) -> dict:
     """How batches mark documents (`global_batch_arrays` keywords): nothing unless document masking."""
     if not data.document_masking:

@@ -375,6 +375,18 @@ def _batch_rows(mesh: Optional[Mesh], rules: ShardingRules) -> int:
     return batch_multiple(mesh, rules)
 
 
+def check_prompt_lengths(prompt_lengths: Sequence[int], max_new_tokens: int, max_sequence_length: int) -> None:
+    """Refuse a prompt whose tokens plus `max_new_tokens` run past the model's `max_sequence_length`
+    (positions the model was never built for), naming the first such prompt and its length."""
+    for number, length in enumerate(prompt_lengths, start=1):
+        if length + max_new_tokens > max_sequence_length:
+            raise ValueError(
+                f"prompt {number} is {length} tokens: with max_new_tokens={max_new_tokens} that is "
+                f"{length + max_new_tokens} tokens, above the model's max_sequence_length={max_sequence_length}; "
+                f"shorten the prompt or set stage.max_new_tokens<={max(max_sequence_length - length, 0)}"
+            )
+
+
 def generate(
     model: CausalLM,
     prompt_ids: Sequence[Sequence[int]] | Int[np.ndarray, "batch prompt"],

@@ -51,7 +51,7 @@ from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError, claim_checkpoint_
 from olmo_eqx.config import Config, config_to_dict
 from olmo_eqx.data.loader import Interrupted, Prefetcher, global_batch_arrays
 from olmo_eqx.data.remote import SizeCache
-from olmo_eqx.data.sources import build_datasets, document_options, remote_sizes  # noqa: F401  (also imported from here)
+from olmo_eqx.data.sources import build_datasets, check_against_model, document_options, remote_sizes  # noqa: F401  (also imported from here)
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
@@ -124,6 +124,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
     try:
         # Remote token files: their sizes come from the run dir's cache when a previous session left one.
         size_cache = SizeCache(run_dir / SizeCache.FILE)
+        check_against_model(config.data, config.model.vocab_size, config.model.max_sequence_length)
         dataset, heldout = build_datasets(config.data, config.model.vocab_size, size_cache=size_cache.path)
         mesh = make_mesh(config.mesh)
         schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
