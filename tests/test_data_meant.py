@@ -5,11 +5,13 @@ import numpy as np
 import pytest
 
 from olmo_eqx.data.config import DataConfig
+from olmo_eqx.data.mixes import read_mix, real_file, source_from_paths
 from olmo_eqx.data.sources import check_against_model
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.interop.generate import check_prompt_lengths
 
 from clihelp import TINY, olmo_eqx
+from test_data_support import make_token_files
 
 
 # Row 6: an EOS id outside the vocabulary is never found: document masking would mask nothing.
@@ -50,3 +52,50 @@ def test_cli_refuses_a_long_sequence_in_one_line_and_leaves_no_run_dir(tmp_path)
     assert output.startswith("error: ") and output.count("\n") == 1, output
     assert "data.sequence_length=2048" in output and "max_sequence_length=1024" in output
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "config.json").exists()
+
+
+# Rows 1-2: files are counted by what they are, not by the path text that reached them.
+def test_a_glob_through_a_symlink_loop_is_refused_naming_both_paths(tmp_path):
+    (tmp_path / "d").mkdir()
+    make_token_files(tmp_path / "d", [64])
+    (tmp_path / "d" / "loop").symlink_to("..")
+    with pytest.raises(DataFileError, match=r"d/part-000.npy and .*d/loop/d/part-000.npy are the same file"):
+        source_from_paths("train", f"{tmp_path}/d/**/*.npy")
+    assert len(source_from_paths("train", f"{tmp_path}/d/*.npy").paths) == 1
+
+
+def test_a_file_and_a_link_to_it_are_refused_in_a_glob_and_in_a_manifest(tmp_path):
+    tok = "tok"
+    (tmp_path / "web" / tok).mkdir(parents=True)
+    make_token_files(tmp_path / "web" / tok, [64])
+    (tmp_path / "web" / tok / "alias.npy").symlink_to("part-000.npy")
+    with pytest.raises(DataFileError, match="are the same file"):
+        source_from_paths("train", f"{tmp_path}/web/{tok}/*.npy")
+    manifest = tmp_path / "mix.txt"
+    manifest.write_text("web,web/{TOKENIZER}/part-000.npy\ncode,web/{TOKENIZER}/alias.npy\n")
+    with pytest.raises(DataFileError, match=r"mix.txt:2: web/tok/alias.npy is already listed on line 1 \(the same file"):
+        read_mix(manifest, tmp_path, tok)
+    # A data root reached through a link is still one file per line.
+    (tmp_path / "root").symlink_to(tmp_path)
+    manifest.write_text("web,web/{TOKENIZER}/part-000.npy\n")
+    assert len(read_mix(manifest, tmp_path / "root", tok)[0].paths) == 1
+
+
+# Row 3: a manifest reads under its data root, unless told otherwise by name.
+@pytest.mark.parametrize("line", ["../outside.npy", "web/../../outside.npy", "ABSOLUTE"])
+def test_a_manifest_line_outside_the_data_root_is_refused_unless_allowed(tmp_path, line):
+    root = tmp_path / "root"
+    (root / "web").mkdir(parents=True)
+    outside = make_token_files(tmp_path, [64], prefix="outside")[0]
+    line = str(outside) if line == "ABSOLUTE" else line.replace("outside.npy", outside.name)
+    manifest = tmp_path / "mix.txt"
+    manifest.write_text(f"web,{line}\n")
+    with pytest.raises(DataFileError, match=r"mix.txt:1: .* lies outside the data root .*data.allow_outside_root=true"):
+        read_mix(manifest, root, "tok")
+    (source,) = read_mix(manifest, root, "tok", allow_outside_root=True)
+    assert real_file(source.paths[0]) == real_file(outside)
+    # Going down and back up inside the root is fine, and so is a URL root's leading "/".
+    manifest.write_text("web,web/../web/x.npy\n")
+    read_mix(manifest, root, "tok")
+    manifest.write_text("web,/web/x.npy\n")
+    assert read_mix(manifest, "https://example.org/data", "tok")[0].paths == ("https://example.org/data/web/x.npy",)

@@ -15,6 +15,9 @@ class DataConfig:
     source: str = "embedded"
     data_root: Optional[str] = None
     tokenizer: Optional[str] = None
+    # A mix manifest's lines are read under data_root only; true lets a line leave it (`../x.npy`,
+    # an absolute local path) on purpose.
+    allow_outside_root: bool = False
     # Named held-out sets, name -> token files (a path or glob), each evaluated on its own
     # (per-domain held-out loss). Empty with the embedded source: its held-out split.
     heldout: dict[str, str] = field(default_factory=dict)

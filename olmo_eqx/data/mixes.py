@@ -12,6 +12,7 @@ would fold `//`).
 
 import glob
 import os
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping, Sequence
@@ -54,13 +55,34 @@ def _expand(path_or_glob: str | os.PathLike) -> list[Path | str]:
     return [Path(text)]
 
 
+def real_file(path: Path | str) -> str:
+    """What a path names once symlinks and `..` are resolved (a URL as given): the key by which
+    files are counted, deduplicated and compared, so a link to a file is that file."""
+    return path if is_url(path) else os.path.realpath(os.fspath(path))
+
+
+def refuse_repeated_files(paths: Sequence[Path | str], where: str) -> None:
+    """Refuse two paths naming one real file: a glob through a symlink loop (`dir/loop -> ..`)
+    or a link next to its target would train on the file once per path, silently."""
+    seen: dict[str, Path | str] = {}
+    for path in paths:
+        first = seen.setdefault(real_file(path), path)
+        if first is not path:
+            raise DataFileError(
+                f"{where}: {first} and {path} are the same file ({real_file(path)}), a symlink loop or a link to a "
+                "listed file, so it would be read twice as often; list each file once (remove the link or narrow the glob)"
+            )
+
+
 def source_from_paths(
     label: str, paths: Sequence[str | os.PathLike] | str | os.PathLike, ratio: float | None = None
 ) -> Source:
-    """A source from explicit paths and/or globs (globs expand sorted, so the order is stable)."""
+    """A source from explicit paths and/or globs (globs expand sorted, so the order is stable);
+    two of them naming one real file are refused (`refuse_repeated_files`)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     expanded = [p for item in paths for p in _expand(item)]
+    refuse_repeated_files(expanded, f"data source {label!r} ({', '.join(os.fspath(p) for p in paths)})")
     return Source(label=label, paths=tuple(expanded), ratio=ratio)
 
 
@@ -113,17 +135,30 @@ def olmo_core_manifest(name: str) -> Path:
     return path
 
 
+def _leaves_root(rel_path: str, url_root: bool) -> bool:
+    # Lexical, without resolving links: a data root that is a farm of symlinks into a shared
+    # store is still "under the root"; what is refused is a line that *says* to leave it.
+    # Under a URL root a leading "/" is joined onto the root (OLMo-core's `DataMix.build` does
+    # the same), so only ".." leaves it there.
+    if not url_root and os.path.isabs(rel_path):
+        return True
+    normal = posixpath.normpath(rel_path.replace(os.sep, "/").lstrip("/"))
+    return normal == ".." or normal.startswith("../")
+
+
 def read_mix(
     manifest: str | os.PathLike,
     data_root: str | os.PathLike,
     tokenizer: str,
     ratios: Mapping[str, float] | None = None,
+    allow_outside_root: bool = False,
 ) -> list[Source]:
     """Read an OLMo-core mix manifest into sources, one per label, in order of first appearance.
 
     `ratios` maps labels to target shares; give one for every label or none at all.
     Blank lines and lines starting with `#` are skipped. `manifest` may be `olmo_core:NAME`, a
-    mix of the installed OLMo-core (`olmo_core_manifest`).
+    mix of the installed OLMo-core (`olmo_core_manifest`). A line that leaves the data root (`..`,
+    or an absolute local path) is refused unless `allow_outside_root` (`data.allow_outside_root`).
     """
     text = os.fspath(manifest)
     manifest = olmo_core_manifest(text[len(OLMO_CORE_PREFIX):]) if text.startswith(OLMO_CORE_PREFIX) else Path(text)
@@ -149,12 +184,17 @@ def read_mix(
                 f"{manifest}:{line_no}: expected `label,relative/path/{TOKENIZER_PLACEHOLDER}/part.npy`, got {raw!r}"
             )
         rel_path = rel_path.strip().replace(TOKENIZER_PLACEHOLDER, tokenizer)
+        if not allow_outside_root and _leaves_root(rel_path, is_url(root)):
+            raise DataFileError(
+                f"{manifest}:{line_no}: {rel_path} lies outside the data root {root}; a mix reads only files under "
+                "data.data_root: fix the line, or set data.allow_outside_root=true if it is meant"
+            )
         path = f"{root.rstrip('/')}/{rel_path.lstrip('/')}" if is_url(root) else Path(root) / rel_path
-        first = seen.setdefault(os.path.normpath(os.fspath(path)) if not is_url(root) else path, line_no)
+        first = seen.setdefault(real_file(path), line_no)
         if first != line_no and not repeats_allowed:
             raise DataFileError(
-                f"{manifest}:{line_no}: {rel_path} is already listed on line {first}; a file listed twice would get "
-                "double weight: remove one of the two lines"
+                f"{manifest}:{line_no}: {rel_path} is already listed on line {first} (the same file: "
+                f"{real_file(path)}); a file listed twice would get double weight: remove one of the two lines"
             )
         by_label.setdefault(label.strip(), []).append(path)
     if not by_label:

@@ -46,7 +46,7 @@ def build_datasets(
         if data.source.endswith(".txt"):
             if not (data.data_root and data.tokenizer):
                 raise DataFileError(f"data.source={data.source!r} is a mix manifest: set data.data_root and data.tokenizer")
-            sources = read_mix(data.source, data.data_root, data.tokenizer)
+            sources = read_mix(data.source, data.data_root, data.tokenizer, allow_outside_root=data.allow_outside_root)
         else:
             sources = [source_from_paths("train", data.source)]
         train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams,
@@ -57,7 +57,7 @@ def build_datasets(
             if paths.endswith(".txt"):  # a manifest (OLMo-core's ppl-validation mixes): one set per label
                 if not (data.data_root and data.tokenizer):
                     raise DataFileError(f"data.heldout.{name}={paths!r} is a mix manifest: set data.data_root and data.tokenizer")
-                named += read_mix(paths, data.data_root, data.tokenizer)
+                named += read_mix(paths, data.data_root, data.tokenizer, allow_outside_root=data.allow_outside_root)
             else:
                 named.append(source_from_paths(name, paths))
         heldout = heldout_sets(named, seq, vocab_size, reader=reader, sizes=known)
