@@ -1,17 +1,19 @@
 """Data is what was meant (issue 50, rows 1-8): every input that used to train, or crash,
 silently on the wrong data is refused in one line naming the input and the fix."""
 
+import shutil
+
 import numpy as np
 import pytest
 
 from olmo_eqx.data.config import DataConfig
 from olmo_eqx.data.mixes import read_mix, real_file, source_from_paths
-from olmo_eqx.data.sources import check_against_model
+from olmo_eqx.data.sources import build_datasets, check_against_model
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.interop.generate import check_prompt_lengths
 
 from clihelp import TINY, olmo_eqx
-from test_data_support import make_token_files
+from test_data_support import VOCAB, make_token_files
 
 
 # Row 6: an EOS id outside the vocabulary is never found: document masking would mask nothing.
@@ -99,3 +101,21 @@ def test_a_manifest_line_outside_the_data_root_is_refused_unless_allowed(tmp_pat
     read_mix(manifest, root, "tok")
     manifest.write_text("web,/web/x.npy\n")
     assert read_mix(manifest, "https://example.org/data", "tok")[0].paths == ("https://example.org/data/web/x.npy",)
+
+
+# Row 5: a held-out set that is a training file measures training loss.
+def test_a_heldout_file_that_is_a_training_file_is_refused(tmp_path):
+    train = make_token_files(tmp_path, [256, 256])
+    other = make_token_files(tmp_path, [256], prefix="other")[0]  # counts from 0 again: same content as part-000
+    held = make_token_files(tmp_path / "held", [512])[0]
+    (tmp_path / "link.npy").symlink_to(train[1])
+    shutil.copy(train[1], tmp_path / "copy.npy")
+    base = dict(source=f"{tmp_path}/part-*.npy", sequence_length=64)
+    for given, same in [(str(train[1]), "part-001"), (str(tmp_path / "link.npy"), "part-001"),
+                        (str(tmp_path / "copy.npy"), "part-001"), (str(other), "part-000")]:
+        with pytest.raises(DataFileError, match=rf"held-out set 'val' reads {given}, which is the training file .*{same}"):
+            build_datasets(DataConfig(**base, heldout={"val": given}), VOCAB)
+    _, (val,) = build_datasets(DataConfig(**base, heldout={"val": str(held)}), VOCAB)
+    assert val.name == "val" and len(val.dataset) == 8
+    # A training sample measured on purpose, by name.
+    build_datasets(DataConfig(**base, heldout={"train_sample": str(train[1])}, allow_heldout_in_training=True), VOCAB)

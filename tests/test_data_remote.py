@@ -316,7 +316,7 @@ def test_a_heldout_manifest_gives_one_set_per_label_at_the_data_root(corpus, htt
     ppl = tmp_path / "ppl.txt"
     ppl.write_text("c4_en-validation,eval/heldout.npy\nbooks-validation,{TOKENIZER}/part-000.npy\n")
     data = DataConfig(source=str(manifest), data_root=f"{http.url}/olmo/data", tokenizer=TOKENIZER,
-                      heldout={"v3_small": str(ppl)}, sequence_length=SEQ)
+                      heldout={"v3_small": str(ppl)}, sequence_length=SEQ, allow_heldout_in_training=True)
     train_set, heldout = build_datasets(data, VOCAB)
     assert [h.name for h in heldout] == ["c4_en-validation", "books-validation"]
     assert heldout[0].dataset.files[0].path == f"{http.url}/olmo/data/eval/heldout.npy"

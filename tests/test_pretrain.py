@@ -156,7 +156,8 @@ def test_stop_and_resume_is_bitwise_identical(uninterrupted, tmp_path):
     assert not first["stage_completed"] and checkpoint_steps(tmp_path) == [5]
     # Held-out sets are evaluation only: naming two of them changes no training number.
     corpus = embedded_corpus()
-    named_sets = [f"+data.heldout.stdlib={corpus.heldout_files[0]}", f"+data.heldout.train_sample={corpus.train_files[0]}"]
+    named_sets = [f"+data.heldout.stdlib={corpus.heldout_files[0]}", f"+data.heldout.train_sample={corpus.train_files[0]}",
+                  "data.allow_heldout_in_training=true"]
     second = train(compose_config(TINY + named_sets), tmp_path)
     assert second["start_step"] == 5 and second["stage_completed"]
     resumed = read_metrics(tmp_path)

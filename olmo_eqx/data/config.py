@@ -21,6 +21,9 @@ class DataConfig:
     # Named held-out sets, name -> token files (a path or glob), each evaluated on its own
     # (per-domain held-out loss). Empty with the embedded source: its held-out split.
     heldout: dict[str, str] = field(default_factory=dict)
+    # A held-out file that is also a training file (the same real file, or a copy) is refused:
+    # its loss is training loss. true allows it on purpose (a "train sample" set).
+    allow_heldout_in_training: bool = False
     sequence_length: int = 256
     global_batch_size: int = 8
     seed: int = 34521

@@ -8,8 +8,8 @@ from typing import Optional
 from olmo_eqx.data.config import DataConfig
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.data.heldout import HeldOutSet, heldout_sets
-from olmo_eqx.data.instances import InstanceDataset
-from olmo_eqx.data.mixes import read_mix, source_from_paths
+from olmo_eqx.data.instances import InstanceDataset, sample_digest
+from olmo_eqx.data.mixes import read_mix, real_file, source_from_paths
 from olmo_eqx.data.remote import RemoteReader, RetryPolicy, SizeCache
 from olmo_eqx.data.token_files import DataFileError
 
@@ -61,7 +61,36 @@ def build_datasets(
             else:
                 named.append(source_from_paths(name, paths))
         heldout = heldout_sets(named, seq, vocab_size, reader=reader, sizes=known)
+        if not data.allow_heldout_in_training:
+            refuse_heldout_in_training(train, heldout)
     return train, heldout
+
+
+def refuse_heldout_in_training(train: InstanceDataset, heldout: list[HeldOutSet]) -> None:
+    """Refuse a held-out file that is also a training file: held-out loss would then be training
+    loss, blind to memorisation (the one signal the OLMo 3 reproduction's repeat bug gave).
+
+    Compared by real file (links resolved; URLs as given) and, for local files of one byte size,
+    by a digest of sampled pages (a copy of a training file), which reads a few pages only.
+    """
+    by_real = {real_file(f.path): f for f in train.files}
+    by_size: dict[int, list] = {}
+    for f in train.files:
+        if not f.remote:
+            by_size.setdefault(f.size, []).append(f)
+    for heldout_set in heldout:
+        for f in heldout_set.dataset.files:
+            same = by_real.get(real_file(f.path))
+            if same is None and not f.remote and by_size.get(f.size):
+                digest = sample_digest(f)
+                same = next((t for t in by_size[f.size] if sample_digest(t) == digest), None)
+            if same is not None:
+                raise DataFileError(
+                    f"held-out set {heldout_set.name!r} reads {f.path}, which is the training file {same.path} "
+                    "(or a copy of it): its loss would be training loss; give held-out files that are not trained on "
+                    "(olmo_eqx.data.heldout.split_train_heldout splits files by document), or set "
+                    "data.allow_heldout_in_training=true if a training sample is meant"
+                )
 
 
 def remote_sizes(train: InstanceDataset, heldout: list[HeldOutSet]) -> dict[str, int]:
