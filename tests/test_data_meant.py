@@ -9,7 +9,7 @@ import pytest
 from olmo_eqx.data.config import DataConfig
 from olmo_eqx.data.mixes import read_mix, real_file, source_from_paths
 from olmo_eqx.data.sources import build_datasets, check_against_model
-from olmo_eqx.data.token_files import DataFileError
+from olmo_eqx.data.token_files import DataFileError, TokenFile, write_token_file
 from olmo_eqx.interop.generate import check_prompt_lengths
 
 from clihelp import TINY, olmo_eqx
@@ -119,3 +119,36 @@ def test_a_heldout_file_that_is_a_training_file_is_refused(tmp_path):
     assert val.name == "val" and len(val.dataset) == 8
     # A training sample measured on purpose, by name.
     build_datasets(DataConfig(**base, heldout={"train_sample": str(train[1])}, allow_heldout_in_training=True), VOCAB)
+
+
+# Row 4: a headerless file read with the other dtype is refused, valid files are not.
+def test_a_token_file_read_with_the_wrong_dtype_is_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    small = write_token_file(tmp_path / "u32.npy", rng.integers(0, 4096, 4096), 4096, "uint32")
+    with pytest.raises(DataFileError, match=r"u32.npy: every other id is 0 or less.*set data.token_dtype=uint32"):
+        TokenFile(small, 4096)  # a 4096-id vocab reads uint16 by default
+    assert TokenFile(small, 4096, "uint32").num_tokens == 4096
+    dolma = write_token_file(tmp_path / "u16.npy", rng.integers(0, 50000, 4096), 100278, "uint16")
+    with pytest.raises(DataFileError, match=r"most ids of its first page are >= vocab_size 100278.*data.token_dtype=uint16"):
+        TokenFile(dolma, 100278)  # dolma2's vocab reads uint32 by default
+    assert TokenFile(dolma, 100278, "uint16").num_tokens == 4096
+    with pytest.raises(DataFileError, match="every other id is 1 or less"):
+        TokenFile(write_token_file(tmp_path / "big.npy", rng.integers(0, 100278, 4096), 100278, "uint32"), 100278, "uint16")
+    # Valid files pass: ids counting up, all zeros, a single stray id, a file shorter than the sample.
+    for tokens in (np.arange(4096), np.zeros(4096, np.int64), np.r_[np.arange(100), [4095], np.arange(100)], np.arange(7)):
+        TokenFile(write_token_file(tmp_path / "ok.npy", tokens, 4096), 4096)
+    # A size that no uint32 file can have.
+    (tmp_path / "odd.npy").write_bytes(b"\0" * 6)
+    with pytest.raises(DataFileError, match="6 bytes, not a multiple of 4"):
+        TokenFile(tmp_path / "odd.npy", 4096, "uint32")
+
+
+def test_data_token_dtype_reaches_the_files(tmp_path):
+    make_token_files(tmp_path, [512], vocab_size=VOCAB)
+    u32 = write_token_file(tmp_path / "wide.npy", np.arange(512) % VOCAB, VOCAB, "uint32")
+    data = DataConfig(source=str(u32), sequence_length=64)
+    with pytest.raises(DataFileError, match="set data.token_dtype=uint32"):
+        build_datasets(data, VOCAB)
+    train, _ = build_datasets(DataConfig(source=str(u32), sequence_length=64, token_dtype="uint32"), VOCAB)
+    tokens, _ = train.read(np.arange(8))
+    np.testing.assert_array_equal(tokens.reshape(-1), np.arange(512))

@@ -2,7 +2,7 @@
 and ordered. `olmo_eqx.config` assembles it with the other groups into `Config`."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class DataConfig:
     # A held-out file that is also a training file (the same real file, or a copy) is refused:
     # its loss is training loss. true allows it on purpose (a "train sample" set).
     allow_heldout_in_training: bool = False
+    # The token files' dtype (they have no header); null: OLMo-core's rule, uint16 below 65536
+    # ids, else uint32. A file whose first page shows the other dtype is refused either way.
+    token_dtype: Optional[Literal["uint16", "uint32"]] = None
     sequence_length: int = 256
     global_batch_size: int = 8
     seed: int = 34521

@@ -49,7 +49,7 @@ def build_datasets(
             sources = read_mix(data.source, data.data_root, data.tokenizer, allow_outside_root=data.allow_outside_root)
         else:
             sources = [source_from_paths("train", data.source)]
-        train = InstanceDataset(sources, seq, vocab_size, filter_repeated_ngrams=data.filter_repeated_ngrams,
+        train = InstanceDataset(sources, seq, vocab_size, dtype=data.token_dtype, filter_repeated_ngrams=data.filter_repeated_ngrams,
                                 reader=reader, sizes=known)
     if data.heldout:
         named = []
@@ -60,7 +60,7 @@ def build_datasets(
                 named += read_mix(paths, data.data_root, data.tokenizer, allow_outside_root=data.allow_outside_root)
             else:
                 named.append(source_from_paths(name, paths))
-        heldout = heldout_sets(named, seq, vocab_size, reader=reader, sizes=known)
+        heldout = heldout_sets(named, seq, vocab_size, dtype=data.token_dtype, reader=reader, sizes=known)
         if not data.allow_heldout_in_training:
             refuse_heldout_in_training(train, heldout)
     return train, heldout

@@ -12,6 +12,8 @@ import numpy as np
 from jaxtyping import Integer
 
 UINT16_VOCAB_LIMIT = 65536
+# What `TokenFile` reads of a local file's first page to check its dtype (one pread).
+DTYPE_SAMPLE_BYTES = 8192
 
 
 class DataFileError(ValueError):
@@ -71,6 +73,29 @@ class TokenFile:
             )
         self.num_tokens = size // self.dtype.itemsize
         self._array: np.memmap | None = None
+        if not self.remote and self.num_tokens:
+            self._check_dtype(self.read_bytes(0, min(size, DTYPE_SAMPLE_BYTES)))
+
+    def _check_dtype(self, page: bytes) -> None:
+        """Refuse a file that its first page shows was written with the other dtype: OLMo-core's
+        files carry no header, so nothing else says, and a wrong one trains on garbage silently."""
+        width = 16 if self.dtype.itemsize == 2 else 32
+        other = "uint32" if width == 16 else "uint16"
+        hint = (f"it looks written as {other} and read as {self.dtype.name}: set data.token_dtype={other} "
+                "(or re-tokenize it for this model's vocab)")
+        if width == 16:
+            # uint32 ids below 2**16 read as uint16 are the id, then a high half of 0 (or 1 for
+            # vocabularies up to 2**17): every other value that small, the others not.
+            pairs = np.frombuffer(page[: len(page) // 4 * 4], dtype="<u2").reshape(-1, 2)
+            high = (self.vocab_size - 1) >> 16
+            if len(pairs) >= 32 and (pairs[:, 1] <= high).all() and (pairs[:, 0] > high).any():
+                raise DataFileError(f"token file {self.path}: every other id is {high} or less; {hint}")
+        elif self.dtype.itemsize == 4:
+            # Two uint16 ids read as one uint32 are lo + 65536 * hi: mostly past any vocabulary.
+            ids = np.frombuffer(page[: len(page) // 4 * 4], dtype="<u4")
+            if len(ids) >= 32 and (ids >= self.vocab_size).mean() > 0.5:
+                raise DataFileError(f"token file {self.path}: most ids of its first page are >= vocab_size "
+                                    f"{self.vocab_size}; {hint}")
 
     def read_bytes(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of the file (one range request when remote)."""
