@@ -194,5 +194,5 @@ def test_only_a_bounded_number_of_files_stay_open(tmp_path, monkeypatch):
     before = len(os.listdir("/proc/self/fd"))
     tokens, _ = ds.read(np.arange(len(ds)))
     np.testing.assert_array_equal(tokens[:, 0], np.arange(0, 40 * 8, 8))
-    assert sum(f._array is not None for f in ds.files) == 4
+    assert sum(f._fd is not None for f in ds.files) == 4
     assert len(os.listdir("/proc/self/fd")) - before <= 4

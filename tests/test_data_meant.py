@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from olmo_eqx.data.config import DataConfig
+from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.mixes import read_mix, real_file, source_from_paths
 from olmo_eqx.data.sources import build_datasets, check_against_model
 from olmo_eqx.data.token_files import DataFileError, TokenFile, write_token_file
@@ -152,3 +153,25 @@ def test_data_token_dtype_reaches_the_files(tmp_path):
     train, _ = build_datasets(DataConfig(source=str(u32), sequence_length=64, token_dtype="uint32"), VOCAB)
     tokens, _ = train.read(np.arange(8))
     np.testing.assert_array_equal(tokens.reshape(-1), np.arange(512))
+
+
+# Row 7: a local file that shrinks or changes under a running job: one error, never SIGBUS.
+def test_a_local_file_truncated_or_changed_mid_run_is_an_error_not_a_bus_error(tmp_path):
+    import os
+
+    path = make_token_files(tmp_path, [64 * 64])[0]
+    ds = InstanceDataset([source_from_paths("train", path)], 64, VOCAB)
+    first, _ = ds.read(np.arange(64))
+    os.truncate(path, 64 * 2 * 10)  # ten instances left: the memory map of old would SIGBUS here
+    with pytest.raises(DataFileError, match=rf"token file {path} changed while the run read it \(now 1280 bytes, 8192"):
+        ds.read(np.arange(64))
+    with pytest.raises(DataFileError, match="changed while the run read it"):
+        ds.read(np.arange(2))  # even where the bytes are still there
+    # Rewritten in place at the same size: the modification time says so.
+    ds = InstanceDataset([source_from_paths("train", path)], 64, VOCAB)
+    with open(path, "r+b") as f:
+        f.write(b"\1\0")
+    os.utime(path, ns=(0, 10**9))
+    with pytest.raises(DataFileError, match="changed while the run read it"):
+        ds.read(np.arange(2))
+    np.testing.assert_array_equal(first[:, 0], np.arange(0, 64 * 64, 64))

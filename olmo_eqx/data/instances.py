@@ -298,14 +298,15 @@ class InstanceDataset:
             offset[rows] = (local - starts[f]) * self.sequence_length
         return file_index, offset
 
-    def _tokens(self, file_index: int) -> np.ndarray:
+    def _read_local(self, file_index: int, start: int) -> np.ndarray:
+        # Under the lock: the LRU may close a descriptor another thread is about to pread from.
         with self._open_lock:
             self._open_files[file_index] = None
             self._open_files.move_to_end(file_index)
             while len(self._open_files) > MAX_OPEN_FILES:
                 oldest, _ = self._open_files.popitem(last=False)
                 self.files[oldest].close()
-            return self.files[file_index].tokens
+            return self.files[file_index].read(start, self.sequence_length)
 
     def read(
         self, instance_ids: Integer[np.ndarray, " n"]
@@ -319,7 +320,7 @@ class InstanceDataset:
                 out[row] = tokens
         else:
             for row, (f, start) in enumerate(rows):
-                out[row] = self._tokens(f)[start : start + self.sequence_length]
+                out[row] = self._read_local(f, start)
         # Every id is checked as it is read (two reductions over the batch, far below the
         # cost of the read): an id >= vocab_size would index past the embedding and train
         # on NaN. A uint32 id >= 2**31 shows up negative in int32.

@@ -63,7 +63,8 @@ class TokenFile:
                 "in the mix, or create it with `python -m olmo_eqx.data.tokenize`"
             )
         else:
-            size = self.path.stat().st_size
+            stat = self.path.stat()
+            size, self._mtime_ns = stat.st_size, stat.st_mtime_ns
         self.size = int(size)
         if size % self.dtype.itemsize != 0:
             raise DataFileError(
@@ -73,6 +74,7 @@ class TokenFile:
             )
         self.num_tokens = size // self.dtype.itemsize
         self._array: np.memmap | None = None
+        self._fd: int | None = None
         if not self.remote and self.num_tokens:
             self._check_dtype(self.read_bytes(0, min(size, DTYPE_SAMPLE_BYTES)))
 
@@ -108,11 +110,29 @@ class TokenFile:
             os.close(fd)
 
     def read(self, start: int, count: int) -> Integer[np.ndarray, " count"]:
-        """Tokens [start, start + count) in the file's dtype."""
-        if not self.remote:
-            return np.asarray(self.tokens[start : start + count])
+        """Tokens [start, start + count) in the file's dtype.
+
+        A local file is read with pread through a descriptor kept open (until `close`), never
+        through the memory map: a mapped file that shrinks under a running job kills it with
+        SIGBUS (exit 135, no message, a stale run lock); a short read or a changed size or
+        modification time is a `DataFileError` instead.
+        """
         itemsize = self.dtype.itemsize
-        data = self.read_bytes(start * itemsize, count * itemsize)
+        if self.remote:
+            data = self.read_bytes(start * itemsize, count * itemsize)
+        else:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            stat = os.fstat(self._fd)
+            data = os.pread(self._fd, count * itemsize, start * itemsize)
+            if (stat.st_size, stat.st_mtime_ns) != (self.size, self._mtime_ns) or len(data) < min(
+                count * itemsize, self.size - start * itemsize
+            ):
+                raise DataFileError(
+                    f"token file {self.path} changed while the run read it (now {stat.st_size} bytes, "
+                    f"{self.size} when the run started): restore the file as it was and resume "
+                    "(the run resumes from its last checkpoint), or start a new run on the new data"
+                )
         return np.frombuffer(data, dtype=self.dtype.newbyteorder("<"))
 
     @property
@@ -129,13 +149,17 @@ class TokenFile:
         return self._array
 
     def close(self) -> None:
-        """Drop the memory map (and its file descriptor); the next access re-opens it."""
+        """Drop the memory map and the read descriptor; the next access re-opens them."""
         self._array = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __getstate__(self) -> dict:
         # Memory maps do not pickle; worker processes re-open the file lazily.
         state = self.__dict__.copy()
         state["_array"] = None
+        state["_fd"] = None
         return state
 
     def check_token_ids(self, chunk_tokens: int = 1 << 24) -> None:
