@@ -175,3 +175,13 @@ def test_a_local_file_truncated_or_changed_mid_run_is_an_error_not_a_bus_error(t
     with pytest.raises(DataFileError, match="changed while the run read it"):
         ds.read(np.arange(2))
     np.testing.assert_array_equal(first[:, 0], np.arange(0, 64 * 64, 64))
+
+
+# data.source= a directory: say so, and what to give instead.
+def test_a_directory_as_the_source_says_it_is_a_directory_and_what_to_give(tmp_path):
+    make_token_files(tmp_path, [128])
+    with pytest.raises(DataFileError, match=rf"{tmp_path} is a directory, not a token file: .*'{tmp_path}/\*.npy'"):
+        build_datasets(DataConfig(source=str(tmp_path), sequence_length=64), VOCAB)
+    with pytest.raises(DataFileError, match="is a directory: name a token file"):
+        TokenFile(tmp_path, VOCAB)
+    assert len(build_datasets(DataConfig(source=f"{tmp_path}/*.npy", sequence_length=64), VOCAB)[0]) == 2

@@ -52,6 +52,12 @@ def _expand(path_or_glob: str | os.PathLike) -> list[Path | str]:
         if not matches:
             raise DataFileError(f"glob {text!r} matches no files: check the pattern and the data root")
         return [Path(m) for m in matches]
+    if os.path.isdir(text):
+        pattern = os.path.join(text, "*.npy")
+        raise DataFileError(
+            f"{text} is a directory, not a token file: give its files as a glob, e.g. '{pattern}' (or "
+            f"'{os.path.join(text, '**', '*.npy')}' with subdirectories), or a mix manifest (.txt)"
+        )
     return [Path(text)]
 
 

@@ -57,6 +57,8 @@ class TokenFile:
         if self.remote:
             if size is None:
                 raise ValueError(f"a remote token file needs its size: {path}")
+        elif self.path.is_dir():
+            raise DataFileError(f"token file {self.path} is a directory: name a token file (.npy) in it")
         elif not self.path.is_file():
             raise DataFileError(
                 f"token file {self.path} does not exist: check the data root / tokenizer name "
