@@ -2,7 +2,7 @@
 fault tables of issues 11, 25 and 42 list, and print one row per fault: what happened, and
 whether anything good was lost.
 
-    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42]   # a few minutes on 2 CPU cores
+    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42,50data]   # a few minutes on 2 CPU cores
 
 Issue 42's rows serve token files from tests/rangeserver.py (a misbehaving HTTP range server)
 and checkpoints from moto's S3 server, both on 127.0.0.1.
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -91,6 +92,8 @@ def drill(root: Path, groups: tuple[str, ...] = ("11", "25")) -> list[tuple[str,
         rows += drill_issue_25(root, good, copy)
     if "42" in groups:
         rows += drill_issue_42(root, good, copy)
+    if "50data" in groups:
+        rows += drill_issue_50_data(root, good, copy)
     return rows
 
 
@@ -443,10 +446,65 @@ def drill_issue_42(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     return rows
 
 
+def drill_issue_50_data(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
+    """Issue 50's "data is what was meant" rows (1-8, and a directory as data.source): each a clean
+    one-line refusal (exit 2) that trains nothing, or for a file truncated mid-run, one line
+    instead of a bus error, with the run's lock released."""
+    rows = []
+    data = root / "data50"
+    (data / "tok").mkdir(parents=True)
+    tokens = np.random.default_rng(0).integers(0, 4096, 256 * 400)
+    tokens.astype(np.uint16).tofile(data / "tok" / "part0.npy")
+    tokens[: 256 * 40].astype(np.uint16).tofile(data / "heldout.npy")
+
+    def refused(name: str, *overrides: str, run_dir: Optional[Path] = None, cmd: Optional[list[str]] = None) -> None:
+        d = run_dir or root / name.replace(" ", "_")[:60]
+        r = (subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600) if cmd
+             else run(d, *overrides))
+        lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+        rows.append((name, f"exit {r.returncode}: {said(r)}",
+                     r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr and steps(d) == []))
+
+    (data / "tok" / "loop").symlink_to("..")
+    refused("glob through a symlink loop", f"data.source={data}/tok/**/*.npy")
+    (data / "tok" / "loop").unlink()
+    (data / "tok" / "alias.npy").symlink_to("part0.npy")
+    (data / "twice.txt").write_text("a,{TOKENIZER}/part0.npy\nb,{TOKENIZER}/alias.npy\n")
+    refused("manifest lists a file and a link to it", f"data.source={data}/twice.txt", f"data.data_root={data}", "data.tokenizer=tok")
+    (data / "outside.txt").write_text("a,../heldout.npy\n")
+    refused("manifest line ../x.npy", f"data.source={data}/outside.txt", f"data.data_root={data}/tok", "data.tokenizer=tok")
+    tokens.astype(np.uint32).tofile(data / "wide.npy")
+    refused("uint32 file for a uint16 vocab", f"data.source={data}/wide.npy")
+    refused("held-out file is a training file", f"data.source={data}/tok/part0.npy", f"+data.heldout.val={data}/tok/alias.npy")
+    refused("eos_token_id=99999 with document masking", "data.document_masking=true", "data.eos_token_id=99999")
+    refused("eos_token_id=-1 with document masking", "data.document_masking=true", "data.eos_token_id=-1")
+    refused("sequence_length above max_sequence_length", "data.sequence_length=2048")
+    refused("generate: prompt + new tokens past max_sequence_length", run_dir=root / "generate50",
+            cmd=[sys.executable, "-m", "olmo_eqx", "+stage=generate", f"checkpoint.load={good}", "stage.prompts=[def]",
+                 "stage.max_new_tokens=1024", f"hydra.run.dir={root / 'generate50'}"])
+    refused("data.source= a directory", f"data.source={data}/tok")
+
+    # A local token file truncated under a running job.
+    d = root / "truncated50"
+    shutil.copy(data / "tok" / "part0.npy", data / "shrinks.npy")
+    job = subprocess.Popen(command(d, f"data.source={data}/shrinks.npy", "trainer.steps=100000", "checkpoint.every=0"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV})
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((d / "metrics.jsonl").exists() and (d / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    os.truncate(data / "shrinks.npy", 256 * 2 * 3)
+    output, _ = job.communicate(timeout=300)
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    rows.append(("local token file truncated mid-run", f"exit {job.returncode}: {(lines or [output[-150:]])[-1][:150]}",
+                 job.returncode == 2 and len(lines) == 1 and "Traceback" not in output and not (d / "run.lock").exists()))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="run the drill in this directory and keep it (default: a temporary one)")
-    parser.add_argument("--issues", default="11,25,42", help="whose rows to run: any of 11, 25, 42 (default: all)")
+    parser.add_argument("--issues", default="11,25,42,50data",
+                        help="whose rows to run: any of 11, 25, 42, 50data (default: all)")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="fault_drill_")).resolve()
     root.mkdir(parents=True, exist_ok=True)
