@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -457,32 +458,33 @@ def drill_issue_50_data(root: Path, good: Path, copy) -> list[tuple[str, str, bo
     tokens.astype(np.uint16).tofile(data / "tok" / "part0.npy")
     tokens[: 256 * 40].astype(np.uint16).tofile(data / "heldout.npy")
 
-    def refused(name: str, *overrides: str, run_dir: Optional[Path] = None, cmd: Optional[list[str]] = None) -> None:
-        d = run_dir or root / name.replace(" ", "_")[:60]
+    def refused(name: str, expect: str, *overrides: str, run_dir: Optional[Path] = None, cmd: Optional[list[str]] = None) -> None:
+        d = run_dir or root / re.sub(r"[^A-Za-z0-9]+", "_", name)[:60]
         r = (subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600) if cmd
              else run(d, *overrides))
         lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
         rows.append((name, f"exit {r.returncode}: {said(r)}",
-                     r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr and steps(d) == []))
+                     r.returncode == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in r.stderr
+                     and steps(d) == []))
 
     (data / "tok" / "loop").symlink_to("..")
-    refused("glob through a symlink loop", f"data.source={data}/tok/**/*.npy")
+    refused("glob through a symlink loop", "are the same file", f"data.source={data}/tok/**/*.npy")
     (data / "tok" / "loop").unlink()
     (data / "tok" / "alias.npy").symlink_to("part0.npy")
     (data / "twice.txt").write_text("a,{TOKENIZER}/part0.npy\nb,{TOKENIZER}/alias.npy\n")
-    refused("manifest lists a file and a link to it", f"data.source={data}/twice.txt", f"data.data_root={data}", "data.tokenizer=tok")
+    refused("manifest lists a file and a link to it", "is already listed on line 1 (the same file", f"data.source={data}/twice.txt", f"data.data_root={data}", "data.tokenizer=tok")
     (data / "outside.txt").write_text("a,../heldout.npy\n")
-    refused("manifest line ../x.npy", f"data.source={data}/outside.txt", f"data.data_root={data}/tok", "data.tokenizer=tok")
+    refused("manifest line ../x.npy", "data.allow_outside_root=true", f"data.source={data}/outside.txt", f"data.data_root={data}/tok", "data.tokenizer=tok")
     tokens.astype(np.uint32).tofile(data / "wide.npy")
-    refused("uint32 file for a uint16 vocab", f"data.source={data}/wide.npy")
-    refused("held-out file is a training file", f"data.source={data}/tok/part0.npy", f"+data.heldout.val={data}/tok/alias.npy")
-    refused("eos_token_id=99999 with document masking", "data.document_masking=true", "data.eos_token_id=99999")
-    refused("eos_token_id=-1 with document masking", "data.document_masking=true", "data.eos_token_id=-1")
-    refused("sequence_length above max_sequence_length", "data.sequence_length=2048")
-    refused("generate: prompt + new tokens past max_sequence_length", run_dir=root / "generate50",
+    refused("uint32 file for a uint16 vocab", "data.token_dtype=uint32", f"data.source={data}/wide.npy")
+    refused("held-out file is a training file", "which is the training file", f"data.source={data}/tok/part0.npy", f"+data.heldout.val={data}/tok/alias.npy")
+    refused("eos_token_id=99999 with document masking", "data.eos_token_id=99999 is outside", "data.document_masking=true", "data.eos_token_id=99999")
+    refused("eos_token_id=-1 with document masking", "data.eos_token_id=-1 is outside", "data.document_masking=true", "data.eos_token_id=-1")
+    refused("sequence_length above max_sequence_length", "max_sequence_length=1024", "data.sequence_length=2048")
+    refused("generate: prompt + new tokens past max_sequence_length", "prompt 1 is 1 tokens", run_dir=root / "generate50",
             cmd=[sys.executable, "-m", "olmo_eqx", "+stage=generate", f"checkpoint.load={good}", "stage.prompts=[def]",
                  "stage.max_new_tokens=1024", f"hydra.run.dir={root / 'generate50'}"])
-    refused("data.source= a directory", f"data.source={data}/tok")
+    refused("data.source= a directory", "is a directory", f"data.source={data}/tok")
 
     # A local token file truncated under a running job.
     d = root / "truncated50"
