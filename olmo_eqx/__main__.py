@@ -33,7 +33,8 @@ from omegaconf import DictConfig
 
 from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
 from olmo_eqx.errors import RunError, storage_refusal
-from olmo_eqx.run.run_dir import SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused
+from olmo_eqx.run.run_dir import (SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused,
+                                  restore_hydra_files)
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
 from olmo_eqx.run.sweep import ERROR_FILE
 
@@ -132,7 +133,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
             (run_dir / ERROR_FILE).write_text(f"{e}\n")
             return None
         # A refused run leaves no directory behind that it created (Hydra made it, with only
-        # its own .hydra/ inside, before the config could be checked).
+        # its own .hydra/ inside, before the config could be checked); one that existed gets
+        # back the .hydra/ files Hydra rewrote with the refused overrides.
+        restore_hydra_files(run_dir)
         remove_if_new_and_empty(run_dir)
         sys.exit(2)
 

@@ -176,6 +176,7 @@ class NoteNewRunDir(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         _note_if_new(Path(str(config.hydra.run.dir)))
+        _note_what_was_there(Path(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         _note_if_new(Path(str(config.hydra.sweep.dir)), sweep=True)
@@ -194,6 +195,43 @@ def _note_if_new(path: Path, sweep: bool = False) -> None:
     _new_run_dirs[path] = top
     if sweep:
         _new_sweep_dirs.add(path)
+
+
+# run dir -> the names it held, and the bytes of its .hydra/ files, before Hydra wrote into it
+# (this callback runs before Hydra saves .hydra/config.yaml, hydra.yaml and overrides.yaml).
+_before_hydra: dict[Path, tuple[frozenset[str], dict[str, bytes]]] = {}
+
+
+def _note_what_was_there(path: Path) -> None:
+    path = path.resolve()
+    if not path.is_dir():
+        return
+    hydra = path / ".hydra"
+    saved = {p.name: p.read_bytes() for p in hydra.iterdir() if p.is_file()} if hydra.is_dir() else {}
+    _before_hydra[path] = (frozenset(p.name for p in path.iterdir()), saved)
+
+
+def restore_hydra_files(path: Path) -> bool:
+    """After a refusal: put back the .hydra/ files a run dir that existed before held (Hydra
+    rewrote them with the refused overrides before any check could run), and remove those it
+    added there; True when something was restored. A new run dir is left to
+    `remove_if_new_and_empty`."""
+    path = Path(path).resolve()
+    if path not in _before_hydra:
+        return False
+    names, saved = _before_hydra[path]
+    hydra = path / ".hydra"
+    if ".hydra" not in names:
+        if hydra.is_dir():
+            shutil.rmtree(hydra)
+        return True
+    for file in list(hydra.iterdir()) if hydra.is_dir() else []:
+        if file.is_file() and file.name not in saved:
+            file.unlink()
+    hydra.mkdir(exist_ok=True)
+    for name, data in saved.items():
+        (hydra / name).write_bytes(data)
+    return True
 
 
 def remove_new_sweep_dirs_left_unused() -> None:
