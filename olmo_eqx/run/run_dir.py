@@ -279,8 +279,9 @@ def default_run_dir(stage: Optional[str], load: Optional[str], fallback: str) ->
     """The run dir when none is given (`hydra.run.dir` in conf/config.yaml, the resolver
     `olmo_eqx_run_dir`): eval, compare, export and generate of one of our runs write next to it, as
     `<run>.<stage>` (`<run>.<stage>-step<N>` for one step dir), so the results sit beside the
-    model and a rerun replaces them; everything else (and an HF model dir, often shared or
-    read-only) gets `fallback`, Hydra's `outputs/<date>/<time>`."""
+    model (a rerun of export is refused there unless stage.overwrite=true); everything else
+    (and an HF model dir, often shared or read-only) gets `fallback`, Hydra's
+    `outputs/<date>/<time>`."""
     if stage not in _BESIDE_THE_MODEL or not load or "://" in load:
         return fallback
     path, suffix = Path(load).expanduser().resolve(), ""
