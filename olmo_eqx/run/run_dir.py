@@ -175,8 +175,11 @@ class NoteNewRunDir(Callback):
     a refused invocation can remove the directory Hydra made for it."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        _note_if_new(Path(str(config.hydra.run.dir)))
-        _note_what_was_there(Path(str(config.hydra.run.dir)))
+        try:
+            _note_if_new(Path(str(config.hydra.run.dir)))
+            _note_what_was_there(Path(str(config.hydra.run.dir)))
+        except OSError:
+            pass  # a path the system refuses (a name too long): Hydra's mkdir then fails, said in one line
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         _note_if_new(Path(str(config.hydra.sweep.dir)), sweep=True)
@@ -186,11 +189,18 @@ class NoteNewRunDir(Callback):
 _new_sweep_dirs: set[Path] = set()
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: nothing can be there
+        return False
+
+
 def _note_if_new(path: Path, sweep: bool = False) -> None:
     path = top = path.resolve()
-    if path.exists():
+    if _exists(path):
         return
-    while not top.parent.exists():
+    while not _exists(top.parent):
         top = top.parent
     _new_run_dirs[path] = top
     if sweep:
@@ -236,7 +246,11 @@ def restore_hydra_files(path: Path) -> bool:
 
 def remove_new_sweep_dirs_left_unused() -> None:
     """After a sweep refused before any job ran (a typo'd key): remove the sweep dir this
-    invocation created if it holds only Hydra's multirun.yaml."""
+    invocation created if it holds only Hydra's multirun.yaml; after a run dir Hydra could not
+    create (a name too long), the parents it made for it."""
+    for path in list(_new_run_dirs):
+        if path not in _new_sweep_dirs and not _exists(path):
+            _remove_with_new_parents(path)
     for path in list(_new_sweep_dirs):
         if path.is_dir() and {p.name for p in path.iterdir()} <= {"multirun.yaml"}:
             (path / "multirun.yaml").unlink(missing_ok=True)
@@ -262,10 +276,12 @@ def _remove_with_new_parents(path: Path) -> None:
     """Remove `path` (gone or empty) and the parents this invocation made for it, if nothing
     else has landed there since."""
     top = _new_run_dirs[path]
-    if path.is_dir():
+    if _exists(path) and path.is_dir():
         path.rmdir()
     while path != top:
         path = path.parent
+        if not _exists(path):
+            continue  # never made (Hydra's mkdir failed on a name above it)
         if any(path.iterdir()):
             break
         path.rmdir()
