@@ -33,7 +33,8 @@ from omegaconf import DictConfig
 
 from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
 from olmo_eqx.errors import RunError, storage_refusal
-from olmo_eqx.run.run_dir import SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused
+from olmo_eqx.run.run_dir import (SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused,
+                                  restore_hydra_files)
 from olmo_eqx.stages import ENTRY_POINT_GROUP, StageError, describe, load_stage, stage_entry_points
 from olmo_eqx.run.sweep import ERROR_FILE
 
@@ -132,7 +133,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
             (run_dir / ERROR_FILE).write_text(f"{e}\n")
             return None
         # A refused run leaves no directory behind that it created (Hydra made it, with only
-        # its own .hydra/ inside, before the config could be checked).
+        # its own .hydra/ inside, before the config could be checked); one that existed gets
+        # back the .hydra/ files Hydra rewrote with the refused overrides.
+        restore_hydra_files(run_dir)
         remove_if_new_and_empty(run_dir)
         sys.exit(2)
 
@@ -196,6 +199,31 @@ def launcher_refusal(error: BaseException) -> Optional[str]:
     return None
 
 
+def path_or_yaml_refusal(error: BaseException) -> Optional[str]:
+    """One line for a path the file system refuses (a name past its 255 bytes: Hydra's mkdir of
+    the run dir is the first to meet it) and for a config file that is not plain YAML (a
+    `!!python/...` tag, which Hydra's safe loader refuses, or a syntax error); None otherwise."""
+    import errno
+
+    import yaml
+
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENAMETOOLONG:
+            return (f"cannot create {str(seen.filename)[:120]}...: a name in this path is longer than the file "
+                    "system allows (255 bytes a name): give a shorter one (hydra.run.dir=... or the path setting)")
+        if isinstance(seen, yaml.YAMLError):
+            mark = getattr(seen, "problem_mark", None)
+            where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+            problem = " ".join(str(getattr(seen, "problem", None) or seen).split())
+            if isinstance(seen, yaml.constructor.ConstructorError):
+                return (f"{where}: {problem}: config files hold plain YAML values only (no !!python/... tags, "
+                        "which would run code); remove the tag")
+            return f"{where} is not valid YAML ({problem}); fix that line"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main() -> None:
     spare_imported_objects_from_the_collector()
     if len(sys.argv) == 1:
@@ -213,7 +241,8 @@ def main() -> None:
         _hydra_main()
     except Exception as e:
         # A run dir on a read-only or full disk fails in Hydra itself (it writes .hydra/ first).
-        refusal = None if _USER_WANTS_TRACEBACK else hydra_refusal(e) or storage_refusal(e) or launcher_refusal(e)
+        refusal = None if _USER_WANTS_TRACEBACK else (hydra_refusal(e) or storage_refusal(e) or launcher_refusal(e)
+                                                    or path_or_yaml_refusal(e))
         if refusal is None:
             raise
         print(f"error: {refusal}", file=sys.stderr)

@@ -83,7 +83,8 @@ def stored_model_config(location, **fields):
     if location.kind == "hf":
         from olmo_eqx.interop.hf import model_config_from_hf, read_hf_config
 
-        return model_config_from_hf(read_hf_config(location.directory), **fields)
+        return model_config_from_hf(read_hf_config(location.directory), source=str(Path(location.directory) / "config.json"),
+                                    **fields)
     with _reader(location) as checkpointer:
         return checkpointer.stored_model_config(location.step).replace(**fields)
 

@@ -21,6 +21,9 @@ class ExportSettings:
     dtype: Optional[Literal["float32", "bfloat16"]] = None
     # The model's tokenizer.json; null: the run's (the embedded corpus's, or data.tokenizer).
     tokenizer: Optional[str] = None
+    # Write into a directory that already holds files (a previous export's are replaced); a
+    # training run's directory is refused whatever this says.
+    overwrite: bool = False
 
 
 class Export:
@@ -42,7 +45,8 @@ class Export:
             raise StageError("export needs a checkpoint: checkpoint.load=<run dir | checkpoints dir | step dir>")
         run_dir = Path(run_dir).resolve()
         result = export_hf(config.checkpoint.load, run_dir, dtype=settings.dtype, tokenizer=settings.tokenizer,
-                           config=config)
+                           config=config, overwrite=settings.overwrite,
+                           out_key="hydra.run.dir")
         with RunDir(run_dir, enabled=jax.process_index() == 0, log_name="export.log") as out:
             tokenizer = result["tokenizer"] or "unknown (no tokenizer.json written; set stage.tokenizer)"
             out.print(f"export: {result['source']} -> {run_dir} ({result['architecture']}, {result['dtype']}) | "

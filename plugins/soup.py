@@ -14,6 +14,7 @@ optimiser state (zero Adam moments, step 0): an anneal from it starts its optimi
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,8 +39,22 @@ class SoupSettings:
                 raise ValueError(
                     f"weights has {len(self.weights)} entries but checkpoints has {len(self.checkpoints)}; give one weight each"
                 )
+            if not all(math.isfinite(w) for w in self.weights):
+                raise ValueError(f"weights={list(self.weights)} must be finite numbers (inf or nan averages to nan)")
             if any(not (w >= 0) for w in self.weights) or not sum(self.weights) > 0:
                 raise ValueError(f"weights={list(self.weights)} must be >= 0 and sum to more than 0")
+            # 1e308 + 1e308 is inf in float64: every normalised weight would be 0 or nan.
+            if not math.isfinite(sum(self.weights)):
+                raise ValueError(f"weights={list(self.weights)} sum past the largest float; give them on a smaller scale "
+                                 "(only their ratios matter: [1, 1] for [1e308, 1e308])")
+
+    def normalised_weights(self) -> tuple[float, ...]:
+        """The weights divided by their sum (in float64: the averaging's float32 would overflow on
+        weights past 3.4e38); uniform when none were given."""
+        if self.weights is None:
+            return (1.0 / len(self.checkpoints),) * len(self.checkpoints)
+        total = sum(self.weights)
+        return tuple(w / total for w in self.weights)
 
 
 class Soup:
@@ -67,7 +82,7 @@ class Soup:
         # The soup averages checkpoints of ours (HF weights have no step to name the result by).
         locations = [locate(path, f"stage.checkpoints[{i}]", allow_hf=False) for i, path in enumerate(settings.checkpoints)]
         model_config = _common_model_config(locations)
-        weights = settings.weights or (1.0,) * len(locations)
+        weights = settings.normalised_weights()
 
         if (existing := own_checkpoint(config, run_dir)) is not None:
             raise StageError(f"{existing.directory} already holds a checkpoint; give the soup a new run dir (hydra.run.dir=...)")
@@ -77,15 +92,18 @@ class Soup:
         except ValueError as e:
             raise StageError(str(e)) from e
         rules = ShardingRules()
-        total = sum(weights)
         # Everything above refuses bad input before the run dir gets a file (soup.log included).
         out = RunDir(run_dir, enabled=jax.process_index() == 0, log_name="soup.log")
         out.print(cluster_line(cluster, mesh))
         out.print(f"soup of {len(locations)} checkpoint(s) of {model_config.name} on mesh {dict(mesh.shape)}:")
         for location, weight in zip(locations, weights):
-            out.print(f"  {weight / total:.4f} x {location}")
+            out.print(f"  {weight:.4f} x {location}")
 
         model = average_checkpoints(locations, weights, model_config, mesh, rules)
+        if (where := first_non_finite(model)) is not None:
+            out.close()
+            raise StageError(f"soup: the average is not finite (nan or inf) in {where}, so nothing was written: one of "
+                             f"stage.checkpoints={list(settings.checkpoints)} holds non-finite weights there; leave it out")
         config = dataclasses.replace(config, model=model_config, stage=settings)
         state = fresh_state(model, config.optim, mesh, rules)
         del model
@@ -95,7 +113,7 @@ class Soup:
             "stage_completed": True,
             "model": model_config.name,
             "inputs": [str(location) for location in locations],
-            "weights": [w / total for w in weights],
+            "weights": list(weights),
             "checkpoint": str(out_dir / str(SOUP_STEP)),
             "devices": jax.device_count(),
             "run_dir": str(run_dir),
@@ -123,6 +141,21 @@ def _common_model_config(locations):
                 "sets the model)"
             ) from e
     return configs[0]
+
+
+def first_non_finite(model) -> Optional[str]:
+    """The path of the first parameter holding a nan or inf (one reduction each, read back
+    together), or None when all are finite."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_inexact_array))[0]
+    finite = jax.device_get([jnp.isfinite(leaf).all() for _, leaf in leaves])
+    for (path, _), ok in zip(leaves, finite):
+        if not ok:
+            return "model" + jax.tree_util.keystr(path)
+    return None
 
 
 def average_checkpoints(locations, weights, model_config, mesh, rules):

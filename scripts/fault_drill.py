@@ -1,8 +1,8 @@
 """The fault drill: break a short pretrain run of the default model on purpose, every way the
-fault tables of issues 11, 25 and 42 list, and print one row per fault: what happened, and
+fault tables of issues 11, 25, 42 and 50 list, and print one row per fault: what happened, and
 whether anything good was lost.
 
-    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42,50data]   # a few minutes on 2 CPU cores
+    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42,50data,50-outputs]   # a few minutes on 2 CPU cores
 
 Issue 42's rows serve token files from tests/rangeserver.py (a misbehaving HTTP range server)
 and checkpoints from moto's S3 server, both on 127.0.0.1.
@@ -95,6 +95,8 @@ def drill(root: Path, groups: tuple[str, ...] = ("11", "25")) -> list[tuple[str,
         rows += drill_issue_42(root, good, copy)
     if "50data" in groups:
         rows += drill_issue_50_data(root, good, copy)
+    if "50-outputs" in groups:
+        rows += drill_issue_50_outputs(root, good, copy)
     return rows
 
 
@@ -499,14 +501,96 @@ def drill_issue_50_data(root: Path, good: Path, copy) -> list[tuple[str, str, bo
     lines = [line for line in output.splitlines() if line.startswith("error: ")]
     rows.append(("local token file truncated mid-run", f"exit {job.returncode}: {(lines or [output[-150:]])[-1][:150]}",
                  job.returncode == 2 and len(lines) == 1 and "Traceback" not in output and not (d / "run.lock").exists()))
+
+def drill_issue_50_outputs(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
+    """Issue 50's "outputs never destroy" and "imports are checked" rows (10-14) and the refused
+    runs' extras: soup weights, HF weights and config.json, export targets, a refused resume's
+    .hydra/, a run dir name too long, a config file with a !!python tag."""
+    rows = []
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "olmo_eqx", *args], capture_output=True, text=True,
+                              env={**os.environ, **ENV}, timeout=600)
+
+    def contents(d: Path) -> dict:  # .hydra/ included: a refused run must leave it too
+        return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "olmo_eqx.log"}
+
+    def one_line(r: subprocess.CompletedProcess) -> bool:
+        return r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+    # Row 10: soup weights.
+    for i, weights in enumerate(("[inf,1.0]", "[1e308,1e308]")):
+        d = root / f"soup_{i}"
+        r = cli("+stage=soup", f"stage.checkpoints=[{good},{good}]", f"stage.weights={weights}", f"hydra.run.dir={d}")
+        rows.append((f"soup stage.weights={weights}", f"exit {r.returncode}: {said(r)}", one_line(r) and not d.exists()))
+
+    # Rows 13-14: export into a non-empty directory, and into the training run's own directory.
+    hf = root / "hf"
+    r = cli("+stage=export", f"checkpoint.load={good}", f"hydra.run.dir={hf}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    mine = root / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"model_type": "llama"}\n')
+    (mine / "model-00002-of-00002.safetensors").write_bytes(b"mine")
+    before = contents(mine)
+    r = cli("+stage=export", f"checkpoint.load={good}", f"hydra.run.dir={mine}")
+    rows.append(("export into a non-empty directory", f"exit {r.returncode}: {said(r)}",
+                 one_line(r) and contents(mine) == before))
+    d = copy("export_into_run")
+    before = contents(d)
+    r = cli("+stage=export", f"checkpoint.load={d}", f"hydra.run.dir={d}", "stage.overwrite=true")
+    rows.append(("export into the training run's own directory", f"exit {r.returncode}: {said(r)}",
+                 one_line(r) and contents(d) == before))
+
+    # Rows 11-12: HF weights with a nan, config.json with a string size or zero heads.
+    from safetensors.numpy import load_file, save_file
+
+    nan = root / "hf_nan"
+    shutil.copytree(hf, nan)
+    tensors = load_file(str(nan / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = np.nan
+    save_file(tensors, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    for stage in ("generate", "eval"):
+        r = cli(f"+stage={stage}", f"checkpoint.load={nan}", f"hydra.run.dir={root / ('nan_' + stage)}")
+        rows.append((f"HF weights with a nan ({stage})", f"exit {r.returncode}: {said(r)}",
+                     one_line(r) and "up_proj" in r.stderr and not (root / ("nan_" + stage)).exists()))
+    for field, value in (("num_hidden_layers", "four"), ("num_attention_heads", 0)):
+        bad = root / f"hf_{field}"
+        shutil.copytree(hf, bad)
+        config = json.loads((bad / "config.json").read_text())
+        config[field] = value
+        (bad / "config.json").write_text(json.dumps(config))
+        r = cli("+stage=eval", f"checkpoint.load={bad}", f"hydra.run.dir={root / ('eval_' + field)}")
+        rows.append((f"HF config.json {field}={json.dumps(value)}", f"exit {r.returncode}: {said(r)}",
+                     one_line(r) and f'"{field}"' in r.stderr))
+
+    # A refused resume leaves the run's .hydra/ (its overrides.yaml) as it was.
+    d = copy("refused_resume")
+    before = contents(d)
+    r = run(d, "model.d_model=96")
+    rows.append(("refused resume: .hydra/overrides.yaml", f"exit {r.returncode}: {said(r)}",
+                 r.returncode == 2 and contents(d) == before))
+
+    # A 300-character run dir name; a config file with a !!python tag.
+    r = run(root / "long" / ("a" * 300))
+    rows.append(("300-character run dir name", f"exit {r.returncode}: {said(r)}", one_line(r) and not (root / "long").exists()))
+    conf = root / "conf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "evil.yaml").write_text('name: evil\nd_model: !!python/object/apply:os.system ["touch pwned"]\n')
+    # Hydra's options come before the overrides.
+    r = subprocess.run([sys.executable, "-m", "olmo_eqx", f"--config-dir={root / 'conf'}", *BASE, "model=evil",
+                        f"hydra.run.dir={root / 'evil'}"], capture_output=True, text=True, env={**os.environ, **ENV},
+                       timeout=600, cwd=root)
+    rows.append(("config file with a !!python tag", f"exit {r.returncode}: {said(r)}",
+                 one_line(r) and not (root / "pwned").exists() and not (root / "evil").exists()))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="run the drill in this directory and keep it (default: a temporary one)")
-    parser.add_argument("--issues", default="11,25,42,50data",
-                        help="whose rows to run: any of 11, 25, 42, 50data (default: all)")
+    parser.add_argument("--issues", default="11,25,42,50data,50-outputs",
+                        help="whose rows to run: any of 11, 25, 42, 50data, 50-outputs (default: all)")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="fault_drill_")).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ transformers (model and tokenizer) and `olmo_eqx.load_hf` load, with the run's s
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -11,7 +12,9 @@ import pytest
 from olmo_eqx import export_hf, load_hf
 from olmo_eqx.data.embedded import embedded_corpus
 from olmo_eqx.evaluation.tokens import TextTokenizer
+from olmo_eqx.interop.export import check_export_dir
 from olmo_eqx.sharding import MeshConfig, make_mesh
+from olmo_eqx.stages import StageError
 from olmo_eqx.warm_start import load_model, locate
 
 from clihelp import olmo_eqx
@@ -86,3 +89,48 @@ def test_export_refuses_what_is_not_our_checkpoint_in_one_line(exported, tmp_pat
     assert "Traceback" not in result.stderr
     result = olmo_eqx("+stage=export", f"hydra.run.dir={tmp_path / 'none'}")
     assert result.returncode == 2 and "checkpoint.load=" in result.stderr, result.stderr
+
+
+def _contents(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_refuses_a_non_empty_dir_and_a_run_dir_leaving_them_as_they_were(exported, tmp_path):
+    run, _, _ = exported
+    mine = tmp_path / "mine"
+    (mine / ".hydra").mkdir(parents=True)
+    (mine / "config.json").write_text('{"model_type": "llama", "mine": true}\n')
+    (mine / "model-00002-of-00002.safetensors").write_bytes(b"shard")
+    (mine / ".hydra" / "overrides.yaml").write_text("- mine=1\n")
+    before = _contents(mine)
+    result = olmo_eqx("+stage=export", f"checkpoint.load={run}", f"hydra.run.dir={mine}")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "is not empty" in result.stderr and "stage.overwrite=true" in result.stderr, result.stderr
+    assert _contents(mine) == before  # .hydra/ too: Hydra rewrote it, the refusal put it back
+
+    # A training run's own directory, even when told to overwrite (a copy: the shared run is read only).
+    training = tmp_path / "run"
+    shutil.copytree(run, training)
+    (training / ".hydra").mkdir(exist_ok=True)
+    (training / ".hydra" / "overrides.yaml").write_text("- +stage=pretrain\n")
+    before = _contents(training)
+    result = olmo_eqx("+stage=export", f"checkpoint.load={training}", f"hydra.run.dir={training}",
+                      "stage.overwrite=true")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "training run's directory" in result.stderr and "hydra.run.dir=" in result.stderr, result.stderr
+    assert _contents(training) == before
+
+
+def test_export_overwrite_takes_a_non_empty_dir_but_never_a_run_dir(exported, tmp_path):
+    run, out, _ = exported
+    check_export_dir(tmp_path / "new")
+    check_export_dir(out, overwrite=True)  # a previous export
+    with pytest.raises(StageError, match="is not empty.*stage.overwrite=true"):
+        check_export_dir(out)
+    (tmp_path / "only_hydra" / ".hydra").mkdir(parents=True)
+    check_export_dir(tmp_path / "only_hydra")  # what Hydra wrote before the stage ran
+    for overwrite in (False, True):
+        with pytest.raises(StageError, match="training run's directory"):
+            check_export_dir(run, overwrite=overwrite)
+    with pytest.raises(StageError, match="out_dir=.*not empty"):
+        export_hf(run, out)

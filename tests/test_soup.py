@@ -3,6 +3,7 @@ their (weighted) mean; models must match; it runs on any mesh restoring one chec
 
 import json
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -126,3 +127,26 @@ def test_soup_refuses_different_models_and_bad_settings(checkpoints, tmp_path):
     soup([checkpoints["a"][0]], tmp_path / "once")
     with pytest.raises(StageError, match="already holds a checkpoint"):
         soup([checkpoints["a"][0]], tmp_path / "once")
+
+
+def test_soup_refuses_non_finite_weights_and_a_non_finite_average_writing_nothing(checkpoints, tmp_path):
+    path = str(checkpoints["a"][0])
+    for weights, said in (([float("inf"), 1.0], "must be finite"), ([1e308, 1e308], "sum past the largest float")):
+        with pytest.raises(ConfigError, match=said):
+            stage_settings(load_stage("soup"), "soup", {"checkpoints": [path, path], "weights": weights})
+    # Large weights whose sum still fits are normalised in float64 (float32 would overflow).
+    settings = stage_settings(load_stage("soup"), "soup", {"checkpoints": [path, path], "weights": [1e300, 3e300]})
+    assert settings.normalised_weights() == (0.25, 0.75)
+
+    # A checkpoint holding a nan: refused, naming the parameter, with no checkpoint written.
+    config = compose_config(["+stage=pretrain", *NANO])
+    state = init_train_state(config.model, config.optim, make_mesh(config.mesh), ShardingRules(), jax.random.key(4))
+    flat, tree = jax.tree_util.tree_flatten(state.model)
+    index = next(i for i, x in enumerate(flat) if np.issubdtype(x.dtype, np.floating))
+    flat[index] = flat[index].at[(0,) * flat[index].ndim].set(np.nan)
+    state = eqx.tree_at(lambda s: s.model, state, jax.tree_util.tree_unflatten(tree, flat))
+    with Checkpointer(tmp_path / "nan") as checkpointer:
+        checkpointer.save(3, state, config={})
+    with pytest.raises(StageError, match=r"not finite \(nan or inf\) in model\..*nothing was written"):
+        soup([checkpoints["a"][0], tmp_path / "nan"], tmp_path / "soup")
+    assert not (tmp_path / "soup" / "checkpoints").exists() and not (tmp_path / "soup" / "summary.json").exists()

@@ -8,6 +8,7 @@ mapping is `hf_config.py`.
 """
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -15,6 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Float
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
@@ -190,6 +192,17 @@ def _open_tensors(directory: Path) -> dict[str, Path]:
     return located
 
 
+def check_finite(value: Float[np.ndarray, "..."], name: str, directory: Path) -> None:
+    """Refuse a tensor holding nan or inf (a broken conversion or download), naming it: every
+    stage would otherwise run on and print nan losses or empty text. One float64 sum per tensor
+    (no copy; nan and inf carry through it, and float32 values cannot overflow it)."""
+    if math.isfinite(value.sum(dtype=np.float64)):
+        return
+    bad = int(value.size - np.count_nonzero(np.isfinite(value)))
+    raise HFCheckpointError(f"{directory}: tensor {name!r} holds {bad} nan/inf value(s) of {value.size}: these weights "
+                            "are broken (a failed conversion, training or download); convert or download them again")
+
+
 def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             param_dtype: str = "float32", **config_overrides) -> CausalLM:
     """Read a local HF OLMo 1 / OLMo 2 / OLMo 3 / OLMoE / FlexOlmo checkpoint directory into a zoo model.
@@ -199,7 +212,7 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
     """
     directory = Path(path)
     config = model_config_from_hf(read_hf_config(directory), padded_vocab_size=padded_vocab_size, param_dtype=param_dtype,
-                                  **config_overrides)
+                                  source=str(directory / "config.json"), **config_overrides)
     located = _open_tensors(directory)
     target = abstract_model(config)
     expected: set[str] = set()
@@ -219,7 +232,9 @@ def load_hf(path: str | os.PathLike, *, padded_vocab_size: Optional[int] = None,
             raise HFCheckpointError(
                 f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} for {config.name}"
             )
-        return np.asarray(tensor.astype(jnp.float32))
+        value = np.asarray(tensor.astype(jnp.float32))
+        check_finite(value, name, directory)
+        return value
 
     arrays = []
     for path_names, leaf in zip(_leaf_paths(target), jax.tree.leaves(target)):

@@ -4,7 +4,7 @@ writes (OLMo 1, 2, 3, OLMoE, FlexOlmo, OLMo-Hybrid); the weights are `hf.py`'s."
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 from olmo_eqx.errors import RunError
 from olmo_eqx.models.config import ModelConfig, YarnConfig
@@ -55,14 +55,69 @@ def _rope_of(hf: dict, layer_type: str) -> dict:
     return old
 
 
-def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, **overrides) -> ModelConfig:
-    """Map a HF `config.json` dict onto a `ModelConfig`; unsupported settings raise."""
+# config.json's sizes: whole numbers >= 1 (JSON's true/false are not numbers here).
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                   "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                   "linear_conv_kernel_dim")
+# Numbers > 0 where given.
+_OPTIONAL_POSITIVE = ("rms_norm_eps", "initializer_range", "rope_theta")
+
+
+def check_hf_config(hf: dict, source: str = "config.json") -> None:
+    """Refuse (an `HFCheckpointError`, one line naming the field, its value and what it must be) a
+    config.json whose sizes are not whole numbers >= 1, whose numbers are not positive, or whose
+    heads do not divide; the mapping below then never meets a string or a zero."""
+
+    def refuse(field: str, must: str) -> NoReturn:
+        raise HFCheckpointError(f"{source}: \"{field}\" is {json.dumps(hf.get(field))}; it must be {must} "
+                                "(is this the model's own config.json?)")
+
+    def is_size(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    required = _SIZES + (("num_experts", "num_experts_per_tok") if hf.get("model_type") in MOE_MODEL_TYPES else ())
+    for field in required:
+        if field not in hf:
+            raise HFCheckpointError(f"{source} has no \"{field}\"; a HF OLMo config.json gives it (a whole number >= 1)")
+    for field in required + _OPTIONAL_SIZES:
+        if (field in required or hf.get(field) is not None) and not is_size(hf[field]):
+            refuse(field, "a whole number >= 1")
+    for field in _OPTIONAL_POSITIVE:
+        value = hf.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            refuse(field, "a finite number > 0")
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if heads % kv_heads:
+        refuse("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+    if hf.get("head_dim") is None and hf["hidden_size"] % heads:
+        refuse("hidden_size", f"a multiple of num_attention_heads ({heads}) when head_dim is not given")
+    if "num_experts" in required and hf["num_experts_per_tok"] > hf["num_experts"]:
+        refuse("num_experts_per_tok", f"at most num_experts ({hf['num_experts']})")
+
+
+def model_config_from_hf(hf: dict, *, padded_vocab_size: Optional[int] = None, source: str = "config.json",
+                         **overrides) -> ModelConfig:
+    """Map a HF `config.json` dict (read from `source`, named in errors) onto a `ModelConfig`;
+    unsupported or malformed settings raise `HFCheckpointError`."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFCheckpointError(
             f"config.json has model_type={model_type!r}; olmo_eqx reads {' and '.join(SUPPORTED_MODEL_TYPES)} "
             "checkpoints only"
         )
+    check_hf_config(hf, source)
+    try:
+        return _model_config_from_hf(hf, model_type, padded_vocab_size, overrides)
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+        if isinstance(e, HFCheckpointError):
+            raise
+        # What the checks above do not name (a nested RoPE field, a layer type list): still one line.
+        raise HFCheckpointError(f"{source} does not describe a model olmo_eqx can build: {type(e).__name__}: {e}") from e
+
+
+def _model_config_from_hf(hf: dict, model_type: str, padded_vocab_size: Optional[int], overrides: dict) -> ModelConfig:
     if hf.get("tie_word_embeddings"):
         raise HFCheckpointError("config.json ties the embedding and the output head; OLMo models keep them untied")
     if hf.get("attention_bias"):

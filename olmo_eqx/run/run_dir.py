@@ -175,7 +175,11 @@ class NoteNewRunDir(Callback):
     a refused invocation can remove the directory Hydra made for it."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        _note_if_new(Path(str(config.hydra.run.dir)))
+        try:
+            _note_if_new(Path(str(config.hydra.run.dir)))
+            _note_what_was_there(Path(str(config.hydra.run.dir)))
+        except OSError:
+            pass  # a path the system refuses (a name too long): Hydra's mkdir then fails, said in one line
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         _note_if_new(Path(str(config.hydra.sweep.dir)), sweep=True)
@@ -185,20 +189,68 @@ class NoteNewRunDir(Callback):
 _new_sweep_dirs: set[Path] = set()
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: nothing can be there
+        return False
+
+
 def _note_if_new(path: Path, sweep: bool = False) -> None:
     path = top = path.resolve()
-    if path.exists():
+    if _exists(path):
         return
-    while not top.parent.exists():
+    while not _exists(top.parent):
         top = top.parent
     _new_run_dirs[path] = top
     if sweep:
         _new_sweep_dirs.add(path)
 
 
+# run dir -> the names it held, and the bytes of its .hydra/ files, before Hydra wrote into it
+# (this callback runs before Hydra saves .hydra/config.yaml, hydra.yaml and overrides.yaml).
+_before_hydra: dict[Path, tuple[frozenset[str], dict[str, bytes]]] = {}
+
+
+def _note_what_was_there(path: Path) -> None:
+    path = path.resolve()
+    if not path.is_dir():
+        return
+    hydra = path / ".hydra"
+    saved = {p.name: p.read_bytes() for p in hydra.iterdir() if p.is_file()} if hydra.is_dir() else {}
+    _before_hydra[path] = (frozenset(p.name for p in path.iterdir()), saved)
+
+
+def restore_hydra_files(path: Path) -> bool:
+    """After a refusal: put back the .hydra/ files a run dir that existed before held (Hydra
+    rewrote them with the refused overrides before any check could run), and remove those it
+    added there; True when something was restored. A new run dir is left to
+    `remove_if_new_and_empty`."""
+    path = Path(path).resolve()
+    if path not in _before_hydra:
+        return False
+    names, saved = _before_hydra[path]
+    hydra = path / ".hydra"
+    if ".hydra" not in names:
+        if hydra.is_dir():
+            shutil.rmtree(hydra)
+        return True
+    for file in list(hydra.iterdir()) if hydra.is_dir() else []:
+        if file.is_file() and file.name not in saved:
+            file.unlink()
+    hydra.mkdir(exist_ok=True)
+    for name, data in saved.items():
+        (hydra / name).write_bytes(data)
+    return True
+
+
 def remove_new_sweep_dirs_left_unused() -> None:
     """After a sweep refused before any job ran (a typo'd key): remove the sweep dir this
-    invocation created if it holds only Hydra's multirun.yaml."""
+    invocation created if it holds only Hydra's multirun.yaml; after a run dir Hydra could not
+    create (a name too long), the parents it made for it."""
+    for path in list(_new_run_dirs):
+        if path not in _new_sweep_dirs and not _exists(path):
+            _remove_with_new_parents(path)
     for path in list(_new_sweep_dirs):
         if path.is_dir() and {p.name for p in path.iterdir()} <= {"multirun.yaml"}:
             (path / "multirun.yaml").unlink(missing_ok=True)
@@ -224,10 +276,12 @@ def _remove_with_new_parents(path: Path) -> None:
     """Remove `path` (gone or empty) and the parents this invocation made for it, if nothing
     else has landed there since."""
     top = _new_run_dirs[path]
-    if path.is_dir():
+    if _exists(path) and path.is_dir():
         path.rmdir()
     while path != top:
         path = path.parent
+        if not _exists(path):
+            continue  # never made (Hydra's mkdir failed on a name above it)
         if any(path.iterdir()):
             break
         path.rmdir()
@@ -241,8 +295,9 @@ def default_run_dir(stage: Optional[str], load: Optional[str], fallback: str) ->
     """The run dir when none is given (`hydra.run.dir` in conf/config.yaml, the resolver
     `olmo_eqx_run_dir`): eval, compare, export and generate of one of our runs write next to it, as
     `<run>.<stage>` (`<run>.<stage>-step<N>` for one step dir), so the results sit beside the
-    model and a rerun replaces them; everything else (and an HF model dir, often shared or
-    read-only) gets `fallback`, Hydra's `outputs/<date>/<time>`."""
+    model (a rerun of export is refused there unless stage.overwrite=true); everything else
+    (and an HF model dir, often shared or read-only) gets `fallback`, Hydra's
+    `outputs/<date>/<time>`."""
     if stage not in _BESIDE_THE_MODEL or not load or "://" in load:
         return fallback
     path, suffix = Path(load).expanduser().resolve(), ""
