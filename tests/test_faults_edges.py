@@ -54,8 +54,8 @@ def test_a_manifest_listing_a_file_twice_is_refused_naming_both_lines(tmp_path):
     with pytest.raises(DataFileError) as refused:
         read_mix(manifest, tmp_path, "tok")
     assert str(refused.value) == (
-        f"{manifest}:4: a/tok/p0.npy is already listed on line 1; a file listed twice would get double weight: "
-        "remove one of the two lines"
+        f"{manifest}:4: a/tok/p0.npy is already listed on line 1 (the same file: {tmp_path / 'a/tok/p0.npy'}); "
+        "a file listed twice would get double weight: remove one of the two lines"
     )
     # The same file name in two directories is two files; at a URL root too.
     manifest.write_text("web,a/{TOKENIZER}/p0.npy\nweb,b/{TOKENIZER}/p0.npy\n")
