@@ -16,8 +16,6 @@ selects that entry and `model.n_layers=8` edits one field of it.
 
 import dataclasses
 import importlib.util
-import os
-import re
 import types
 import typing
 from collections.abc import Sequence
@@ -29,10 +27,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from olmo_eqx.data.config import DataConfig
-from olmo_eqx.data.remote import credentials_refusal, has_credentials, hide_credentials
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.zoo import ZOO
-from olmo_eqx.run.run_dir import default_run_dir, hide_in_output
+from olmo_eqx.run.run_dir import default_run_dir
+from olmo_eqx.run.secrets import (  # noqa: F401  (hide_secrets: also imported from here)
+    credentials_refusal, has_credentials, hide_secrets, leaves, remember_environment, with_interpolations,
+)
 from olmo_eqx.sharding import MeshConfig
 from olmo_eqx.stages import stage_config_class, stage_entry_points
 from olmo_eqx.train.downstream import DownstreamConfig
@@ -430,17 +430,11 @@ _MISSING = "<not recorded>"
 
 def to_config(cfg: Any) -> Config:
     """The composed Hydra config (a `DictConfig`) as a checked `Config` (raises `ConfigError`).
-
-    Settings whose value comes from the environment (`${oc.env:NAME}`) are remembered, so that
-    `config_to_dict` records their interpolation and `hide_secrets` hides their values; a URL
-    carrying a user name or password is refused (`ConfigError`, the password not repeated).
-    """
+    Settings from the environment are noted (`olmo_eqx.run.secrets`); a URL with a password is refused."""
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     values.pop("hydra", None)
-    raw = OmegaConf.to_container(cfg, resolve=False)
-    raw.pop("hydra", None)
-    _remember_environment(raw, values)
-    for path, value in _leaves(values, ()):
+    remember_environment({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}, values)
+    for path, value in leaves(values):
         if isinstance(value, str) and has_credentials(value):
             raise ConfigError(credentials_refusal(value, ".".join(map(str, path)), sep="="))
     config = build(Config, values)
@@ -448,74 +442,11 @@ def to_config(cfg: Any) -> Config:
     return config
 
 
-# ---------------------------------------------------------------------------------------------
-# Secrets: what the environment gave a run is used, never recorded or printed in the clear.
-
-# Where the last `to_config` found `${oc.env:...}`: key path -> (the interpolation as written,
-# its resolved value). Module state, as a run is one process (a sweep runs each job in its own).
-_FROM_ENVIRONMENT: dict[tuple, tuple[str, Any]] = {}
-# The values of the environment variables those interpolations read: hidden in every message.
-_SECRET_VALUES: set[str] = set()
-_ENV_INTERPOLATION = re.compile(r"\$\{(?:oc\.env|env):\s*([A-Za-z_][A-Za-z0-9_]*)")
-# Shorter values (a "1", a "true") would hide ordinary words and numbers, and reveal little.
-_SHORTEST_SECRET = 4
-
-
-def _leaves(values: Any, path: tuple):
-    if isinstance(values, dict):
-        for key, value in values.items():
-            yield from _leaves(value, (*path, key))
-    elif isinstance(values, (list, tuple)):
-        for i, value in enumerate(values):
-            yield from _leaves(value, (*path, i))
-    else:
-        yield path, values
-
-
-def _at(values: Any, path: tuple) -> Any:
-    for key in path:
-        values = values[key]
-    return values
-
-
-def _remember_environment(raw: Any, resolved: Any) -> None:
-    _FROM_ENVIRONMENT.clear()
-    for path, text in _leaves(raw, ()):
-        if not isinstance(text, str) or not (names := _ENV_INTERPOLATION.findall(text)):
-            continue
-        try:
-            _FROM_ENVIRONMENT[path] = (text, _at(resolved, path))
-        except (KeyError, IndexError, TypeError):
-            continue
-        _SECRET_VALUES.update(v for n in names if len(v := os.environ.get(n, "")) >= _SHORTEST_SECRET)
-    if _SECRET_VALUES:
-        hide_in_output(hide_secrets)
-
-
-def hide_secrets(text: str) -> str:
-    """`text` with every value a config read from the environment, and every URL's user name
-    and password, replaced by `***`: for error lines and logs."""
-    for value in sorted(_SECRET_VALUES, key=len, reverse=True):
-        text = text.replace(value, "***")
-    return hide_credentials(text)
-
-
-def _with_interpolations(values: Any, path: tuple = ()) -> Any:
-    if (path in _FROM_ENVIRONMENT and _FROM_ENVIRONMENT[path][1] == values) or (
-            isinstance(values, str) and any(v in values for v in _SECRET_VALUES)):
-        return _FROM_ENVIRONMENT[path][0] if path in _FROM_ENVIRONMENT else hide_secrets(values)
-    if isinstance(values, dict):
-        return {k: _with_interpolations(v, (*path, k)) for k, v in values.items()}
-    if isinstance(values, (list, tuple)):
-        return type(values)(_with_interpolations(v, (*path, i)) for i, v in enumerate(values))
-    return values
-
-
 def config_to_dict(config: Config) -> dict:
     """Plain data (JSON/YAML-ready) of a config, e.g. for checkpoints and summaries. A setting
     read from the environment (`${oc.env:NAME}`) is recorded as that interpolation, not its
     value: config.json and checkpoints are shared and copied, the secret in them must not be."""
-    return _with_interpolations(dataclasses.asdict(config))
+    return with_interpolations(dataclasses.asdict(config))
 
 
 def register_configs(typed: bool = True) -> None:
@@ -612,6 +543,7 @@ def hydra_refusal(error: BaseException) -> Optional[str]:
     the refusal to the dataclass check.
     """
     import difflib
+    import re
 
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -639,6 +571,13 @@ def hydra_refusal(error: BaseException) -> Optional[str]:
         hints = typing.get_type_hints(cls) if cls is not None else {}
         expected = f"; {cause.full_key} takes {_type_name(hints[name])}" if name in hints else ""
         return f"{cause.full_key}: {str(cause).splitlines()[0]}{expected}"
+    if isinstance(error, HydraException) and (
+            appended := re.search(r"Could not override '([^']+)'\. No match in the defaults list\.\s*"
+                                  r"To append to your default list use \+(\S+)", str(error))):
+        # A group selected with a + (`+stage=NAME`), given without it.
+        group, override = appended.groups()
+        return (f"{override}: {group} is not in the defaults list, so it is selected with a + "
+                f"(did you mean +{override}?)")
     if isinstance(error, OverrideParseException):
         return f"cannot read the command line's overrides: {str(error).splitlines()[0]} (see `--help`)"
     if isinstance(error, (HydraException, OmegaConfBaseException)):

@@ -1,8 +1,8 @@
 """The fault drill: break a short pretrain run of the default model on purpose, every way the
-fault tables of issues 11, 25 and 42 list, and print one row per fault: what happened, and
+fault tables of issues 11, 25, 42 and 50 (its signals and secrets) list, and print one row per fault: what happened, and
 whether anything good was lost.
 
-    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42]   # a few minutes on 2 CPU cores
+    python scripts/fault_drill.py [--keep DIR] [--issues 11,25,42,50s]   # a few minutes on 2 CPU cores
 
 Issue 42's rows serve token files from tests/rangeserver.py (a misbehaving HTTP range server)
 and checkpoints from moto's S3 server, both on 127.0.0.1.
@@ -78,8 +78,9 @@ def drill(root: Path, groups: tuple[str, ...] = ("11", "25")) -> list[tuple[str,
     """The rows of the issues named in `groups` (\"11\", \"25\"), after one good run they share."""
     rows = []
     good = root / "good"
-    result = run(good)
-    assert result.returncode == 0 and steps(good) == [5, 10, 15, 20], result.stderr[-2000:]
+    if {"11", "25", "42"} & set(groups):  # issue 50's signals and secrets need no good run
+        result = run(good)
+        assert result.returncode == 0 and steps(good) == [5, 10, 15, 20], result.stderr[-2000:]
 
     def copy(name: str) -> Path:
         shutil.copytree(good, root / name, ignore=shutil.ignore_patterns("summary.json"))
@@ -91,6 +92,8 @@ def drill(root: Path, groups: tuple[str, ...] = ("11", "25")) -> list[tuple[str,
         rows += drill_issue_25(root, good, copy)
     if "42" in groups:
         rows += drill_issue_42(root, good, copy)
+    if "50s" in groups:
+        rows += drill_issue_50_signals_and_secrets(root)
     return rows
 
 
@@ -443,10 +446,41 @@ def drill_issue_42(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     return rows
 
 
+def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]]:
+    """Issue 50's signals and secrets, and a new user's snags: a secret read from the
+    environment, a password in a data URL, a stage given without its +."""
+    rows = []
+    secret = "s3cr3t-Ab9Zk2Lq"
+    os.environ["OLMO_EQX_DRILL_SECRET"] = secret  # the child inherits it, as from a user's shell
+    try:
+        r = run(root / "secret", "trainer.steps=5", "schedule.warmup_steps=1",
+                f"checkpoint.dir={root}/checkpoints-${{oc.env:OLMO_EQX_DRILL_SECRET}}")
+    finally:
+        del os.environ["OLMO_EQX_DRILL_SECRET"]
+    # The run dir, and each checkpoint's config (Orbax's own files name the directory they are in).
+    written = [p for p in (root / "secret").rglob("*") if p.is_file()]
+    written += [p for p in (root / f"checkpoints-{secret}").glob("*/config/*") if p.name != "commit_success.txt"]
+    leaked = [str(p) for p in written if secret.encode() in p.read_bytes()]
+    rows.append(("${oc.env:SECRET} in an override", f"exit {r.returncode}, written in the clear in {leaked or 'no file'}: {said(r)}",
+                 r.returncode == 0 and secret not in r.stdout + r.stderr and not leaked))
+
+    r = run(root / "password", "data.source=http://alice:hunter22@127.0.0.1:9/tokens.npy")
+    rows.append(("http://user:pass@host/... as data.source", f"exit {r.returncode}: {said(r)}",
+                 r.returncode == 2 and "hunter22" not in r.stdout + r.stderr and "unreachable" not in r.stderr
+                 and not (root / "password").exists()))
+
+    r = subprocess.run([sys.executable, "-m", "olmo_eqx", "stage=pretrain", f"hydra.run.dir={root / 'plus'}"],
+                       capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    rows.append(("stage=pretrain without the +", f"exit {r.returncode}: {said(r)}",
+                 r.returncode == 2 and "did you mean +stage=pretrain?" in r.stderr and not (root / "plus").exists()))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="run the drill in this directory and keep it (default: a temporary one)")
-    parser.add_argument("--issues", default="11,25,42", help="whose rows to run: any of 11, 25, 42 (default: all)")
+    parser.add_argument("--issues", default="11,25,42,50s",
+                        help="whose rows to run: any of 11, 25, 42, 50s (issue 50's signals and secrets) (default: all)")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="fault_drill_")).resolve()
     root.mkdir(parents=True, exist_ok=True)

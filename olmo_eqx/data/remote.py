@@ -34,7 +34,6 @@ are followed (at most 5 in a row).
 import http.client
 import json
 import os
-import re
 import threading
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -42,39 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from olmo_eqx.data.token_files import DataFileError
+from olmo_eqx.run.secrets import credentials_refusal, has_credentials, hide_credentials  # noqa: F401
 
 from olmo_eqx.data.stores import (  # noqa: F401  (SCHEMES, url_tail, the stores: also imported from here)
     SCHEMES, GcsStore, HttpStore, RemoteFileError, RetryPolicy, S3Store, _google_credentials, _Permanent, _Transient,
     is_url, url_tail,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Credentials in URLs
-
-# `scheme://user[:password]@`: a user info part ends at the first `@` before the path (a `/` or
-# `@` inside a password must be percent-encoded).
-_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-
-
-def hide_credentials(text: str) -> str:
-    """`text` with the user name and password of every URL in it replaced by `***`."""
-    return _USER_INFO.sub(r"\1***@", text)
-
-
-def has_credentials(url: str) -> bool:
-    """True for a URL that carries a user name or password (`http://user:pass@host/...`)."""
-    return bool(_USER_INFO.match(url.strip()))
-
-
-def credentials_refusal(url: str, what: str, sep: str = " ") -> str:
-    """The line that refuses a URL with credentials in it, without repeating them: such a URL
-    would be printed in errors and progress lines and recorded in config.json and every
-    checkpoint in the clear, so it is refused, not read."""
-    return (f"{what}{sep}{hide_credentials(url)}: the URL carries a user name or password, which would be printed and "
-            "recorded in the clear; remove it from the URL and give credentials to the store instead (S3: "
-            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws; GCS: Application Default Credentials; HTTP: a "
-            "presigned URL)")
 
 
 # ---------------------------------------------------------------------------------------------

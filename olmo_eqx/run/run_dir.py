@@ -22,24 +22,14 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
+from olmo_eqx.run.secrets import hide_secrets
 from olmo_eqx.run.sinks import MetricSink, make_sinks, sink_error
 
 CONFIG_FILE = "config.json"
-
-# What every printed and logged line goes through: the config layer (above this one) sets it
-# to hide the values a run read from the environment (`olmo_eqx.config.hide_secrets`).
-_hide: Callable[[str], str] = lambda text: text  # noqa: E731
-
-
-def hide_in_output(hide: Callable[[str], str]) -> None:
-    """Pass every line a `RunDir` prints or logs through `hide` (secrets out, the rest as is)."""
-    global _hide
-    _hide = hide
 # Every stage's summary (a JSON object) lands here, in its run directory.
 SUMMARY_FILE = "summary.json"
 
@@ -106,7 +96,7 @@ class RunDir:
                 self._printing = False
 
     def _emit(self, text: str, error: bool) -> None:
-        text = _hide(text)
+        text = hide_secrets(text)
         print(text, flush=True, file=sys.stderr if error else sys.stdout)
         if self._log_name is not None and not self._failed:
             if self._log is None:
@@ -133,14 +123,14 @@ class RunDir:
         path = self.path / name
         if self.enabled and not self._failed:
             self._ensure()
-            self._writing(path, lambda: path.write_text(_hide(json.dumps(_jsonable(data), indent=2)) + "\n"))
+            self._writing(path, lambda: path.write_text(hide_secrets(json.dumps(_jsonable(data), indent=2)) + "\n"))
         return path
 
     def write_text(self, name: str, text: str) -> Path:
         path = self.path / name
         if self.enabled and not self._failed:
             self._ensure()
-            self._writing(path, lambda: path.write_text(_hide(text)))
+            self._writing(path, lambda: path.write_text(hide_secrets(text)))
         return path
 
     def write_config(self, config: Any) -> Path:

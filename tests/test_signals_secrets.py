@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from clihelp import TINY
+from clihelp import TINY, olmo_eqx
 
 from olmo_eqx.config import ConfigError, compose_config, config_to_dict, hide_secrets
 from olmo_eqx.data.remote import RemoteFileError, RemoteReader
@@ -58,3 +58,13 @@ def test_a_url_with_a_password_is_refused_without_repeating_it():
         reader.size("https://alice:hunter22@127.0.0.1:9/tokens.npy")
     assert "hunter22" not in str(refused.value) and "unreachable" not in str(refused.value)
     assert reader.stats["data_requests"] == 0 and reader.stats["data_retries"] == 0
+
+
+def test_a_stage_without_its_plus_gets_a_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match=r"^stage=pretrain: .*\(did you mean \+stage=pretrain\?\)$"):
+        compose_config(["stage=pretrain"])
+    result = olmo_eqx("stage=pretrain", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == ("error: stage=pretrain: stage is not in the defaults list, so it is selected "
+                                     "with a + (did you mean +stage=pretrain?)")
+    assert not (tmp_path / "run").exists()
