@@ -473,6 +473,34 @@ def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]
                        capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
     rows.append(("stage=pretrain without the +", f"exit {r.returncode}: {said(r)}",
                  r.returncode == 2 and "did you mean +stage=pretrain?" in r.stderr and not (root / "plus").exists()))
+
+    def signalled(name: str, marker: str, signals: tuple[int, ...], *overrides: str) -> tuple[int, str, float]:
+        """(exit status, output, seconds from the first signal to the end) of a run sent `signals`
+        0.3 s after it prints `marker`, 0.3 s apart."""
+        process = subprocess.Popen(command(root / name, "trainer.steps=100000", "trainer.log_every=1", *overrides),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV})
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if marker in line:
+                break
+        time.sleep(0.3)
+        sent = time.perf_counter()
+        for s in signals:  # 0.3 s apart: two signals before Python's handler runs count as one
+            process.send_signal(s)
+            time.sleep(0.3)
+        rest, _ = process.communicate(timeout=600)
+        return process.returncode, "".join(lines) + rest, time.perf_counter() - sent
+
+    for micro, marker in (("auto", "trainer.micro_batches=auto: the train step"), ("1", "compiling the train step")):
+        code, output, took = signalled(f"compile_{micro}", marker, (signal.SIGTERM,), f"trainer.micro_batches={micro}")
+        line = next((x for x in output.splitlines() if "SIGTERM" in x), output.splitlines()[-1])
+        rows.append((f"SIGTERM during the first compile (micro_batches={micro})", f"exit {code} {took:.1f}s after: {line[:100]}",
+                     code == 128 + signal.SIGTERM and took < 10 and "Traceback" not in output))
+    code, output, took = signalled("ctrl_c", "step      2/", (signal.SIGINT, signal.SIGINT))
+    line = next((x for x in output.splitlines() if "SIGINT again" in x), output.splitlines()[-1])
+    rows.append(("two Ctrl-C mid-run", f"exit {code} {took:.1f}s after: {line[:100]}",
+                 code == 128 + signal.SIGINT and took < 10 and "Traceback" not in output))
     return rows
 
 

@@ -3,9 +3,13 @@ printed in the clear, and a URL with a password in it is refused without repeati
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from clihelp import TINY, olmo_eqx
+from clihelp import TINY, olmo_eqx, xla_flags
 
 from olmo_eqx.config import ConfigError, compose_config, config_to_dict, hide_secrets
 from olmo_eqx.data.remote import RemoteFileError, RemoteReader
@@ -68,3 +72,69 @@ def test_a_stage_without_its_plus_gets_a_did_you_mean(tmp_path):
     assert result.stderr.strip() == ("error: stage=pretrain: stage is not in the defaults list, so it is selected "
                                      "with a + (did you mean +stage=pretrain?)")
     assert not (tmp_path / "run").exists()
+
+
+def _start(tmp_path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
+    args = [*TINY, "trainer.steps=100000", "trainer.log_every=1", "checkpoint.every=0", *overrides,
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    return subprocess.Popen([sys.executable, "-m", "olmo_eqx", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _signal_after(process: subprocess.Popen, marker: str, *signals: int) -> tuple[str, float]:
+    """Send `signals` (0.1 s apart) once a line holding `marker` is printed; (all the output,
+    seconds from the first signal to the process's end)."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if marker in line:
+            break
+    else:
+        raise AssertionError(f"never printed {marker!r}:\n{''.join(lines)}")
+    time.sleep(0.3)
+    sent = time.perf_counter()
+    for s in signals:
+        process.send_signal(s)
+        time.sleep(0.1)
+    rest, _ = process.communicate(timeout=120)
+    return "".join(lines) + rest, time.perf_counter() - sent
+
+
+# The default model's train step: several seconds to compile on these cores, a signal comes 0.3 s in.
+@pytest.mark.parametrize("micro_batches", ["auto", "1"])
+def test_sigterm_during_the_first_compile_stops_within_seconds(tmp_path, micro_batches):
+    marker = "trainer.micro_batches=auto: the train step" if micro_batches == "auto" else "compiling the train step"
+    process = _start(tmp_path, "model=olmo3_tiny", f"trainer.micro_batches={micro_batches}")
+    output, took = _signal_after(process, marker, signal.SIGTERM)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert took < 5, f"{took:.1f}s after the signal:\n{output}"
+    assert "SIGTERM received before this session's first step finished: nothing new to save, stopping now; " \
+           "rerun to resume" in output
+    assert "Traceback" not in output and "step      1/" not in output
+    assert not (tmp_path / "run" / "summary.json").exists()
+    assert not list((tmp_path / "run" / "checkpoints").glob("*")) if (tmp_path / "run" / "checkpoints").exists() else True
+
+
+# The loop's handlers, in a process of their own: a Ctrl-C, the first step done, then a second.
+SECOND_CTRL_C = """
+import os, signal, time
+from olmo_eqx.run.signals import stop_on_signals
+with stop_on_signals(print) as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    print("still running, flag", stop.signal)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+print("not stopped")
+"""
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 128 + signal.SIGINT, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-3:] == [
+        "SIGINT received: finishing this step, then saving a checkpoint", "still running, flag SIGINT",
+        "SIGINT again: stopping now without saving (the last checkpoint is intact)"]
+    assert result.stderr == "" and time.perf_counter() - started < 5
