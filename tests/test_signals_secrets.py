@@ -138,3 +138,34 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
         "SIGINT received: finishing this step, then saving a checkpoint", "still running, flag SIGINT",
         "SIGINT again: stopping now without saving (the last checkpoint is intact)"]
     assert result.stderr == "" and time.perf_counter() - started < 5
+
+
+IMPORTED_FIRST = """
+import jax, olmo_eqx
+print(jax.devices()[0].platform)
+"""
+
+# A machine with a TPU chip keeps JAX's own choice: the decision alone, before any backend is
+# up, against a root that shows /dev/accel0, then one that shows no accelerator.
+DECIDES_BEFORE_BACKENDS = """
+import jax, os, sys
+from olmo_eqx.run.accelerators import run_on_cpu_with_jax_imported_first
+jax.config.update("jax_platforms", "")  # undo the package's own choice: no platform chosen
+environ = {}
+print(run_on_cpu_with_jax_imported_first(environ, sys.argv[1]), environ, repr(jax.config.jax_platforms))
+print(run_on_cpu_with_jax_imported_first(environ, sys.argv[2]), environ, repr(jax.config.jax_platforms))
+"""
+
+
+def test_importing_jax_first_is_silent_without_an_accelerator(tmp_path):
+    """`import jax, olmo_eqx` (the README's order) on a machine with libtpu installed and no TPU:
+    JAX's first call stays on the CPU, without libtpu's error block."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    result = subprocess.run([sys.executable, "-c", IMPORTED_FIRST], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout == "cpu\n" and result.stderr == "", result.stderr
+    (tmp_path / "tpu" / "dev").mkdir(parents=True)
+    (tmp_path / "tpu" / "dev" / "accel0").touch()
+    (tmp_path / "none").mkdir()
+    result = subprocess.run([sys.executable, "-c", DECIDES_BEFORE_BACKENDS, str(tmp_path / "tpu"), str(tmp_path / "none")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.splitlines() == ["False {} ''", "True {'JAX_PLATFORMS': 'cpu'} 'cpu'"], result.stderr
