@@ -474,6 +474,12 @@ def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]
     rows.append(("stage=pretrain without the +", f"exit {r.returncode}: {said(r)}",
                  r.returncode == 2 and "did you mean +stage=pretrain?" in r.stderr and not (root / "plus").exists()))
 
+    quiet = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    r = subprocess.run([sys.executable, "-c", "import jax, olmo_eqx; print(jax.devices()[0].platform)"],
+                       capture_output=True, text=True, env=quiet, timeout=600)
+    rows.append(("import jax, olmo_eqx (libtpu installed, no TPU)", f"exit {r.returncode}, on {r.stdout.strip()}, "
+                 f"{len(r.stderr.splitlines())} lines on stderr", r.returncode == 0 and r.stderr == ""))
+
     def signalled(name: str, marker: str, signals: tuple[int, ...], *overrides: str) -> tuple[int, str, float]:
         """(exit status, output, seconds from the first signal to the end) of a run sent `signals`
         0.3 s after it prints `marker`, 0.3 s apart."""
