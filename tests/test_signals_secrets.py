@@ -191,3 +191,15 @@ def test_the_training_api_snippet_runs_as_written_and_export_hf_returns_what_the
     exported = olmo_eqx.export_hf(tmp_path / "runs" / "api_demo" / "checkpoints", tmp_path / "hf")
     assert set(exported) == {k.strip().strip('"') for k in documented.split(",")}
     assert exported["step"] == 4 and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_the_planners_tiny_step_times_keep_three_significant_figures():
+    from olmo_eqx.plan.report import format_ranked, format_row, seconds
+
+    assert [seconds(v) for v in (0.000123456, 0.0123, 0.5, 6.0, 0.0)] == ["0.000123", "0.0123", "0.500", "6.000", "0.000"]
+    row = {"remat": "none", "micro_batches": 1, "attention_block_size": None, "fits": True, "compile_seconds": 3.0,
+           "bytes": {"needed": 1 << 20}, "estimate": {"xla_seconds": 4.2e-5, "xla_mfu": 0.31, "roofline_seconds": 3.1e-5,
+                                                      "roofline_mfu": 0.42}}
+    table = format_row(row)
+    assert "0.0000420s" in table and "0.0000310s" in table and "0.000s" not in table
+    assert "0.0000420 s (XLA)" in format_ranked([row])
