@@ -75,7 +75,10 @@ def test_a_stage_without_its_plus_gets_a_did_you_mean(tmp_path):
 
 
 def _start(tmp_path, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
+    # An empty compilation cache: the suite's may hold this very step, and the signal must
+    # land during a compilation.
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "empty-compilation-cache")}
     args = [*TINY, "trainer.steps=100000", "trainer.log_every=1", "checkpoint.every=0", *overrides,
             f"hydra.run.dir={tmp_path / 'run'}"]
     return subprocess.Popen([sys.executable, "-m", "olmo_eqx", *args], stdout=subprocess.PIPE,
