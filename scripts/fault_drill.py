@@ -482,7 +482,7 @@ def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]
 
     def signalled(name: str, marker: str, signals: tuple[int, ...], *overrides: str) -> tuple[int, str, float]:
         """(exit status, output, seconds from the first signal to the end) of a run sent `signals`
-        0.3 s after it prints `marker`, 0.3 s apart."""
+        0.3 s after it prints `marker`, 0.1 s apart."""
         process = subprocess.Popen(command(root / name, "trainer.steps=100000", "trainer.log_every=1", *overrides),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV})
         lines = []
@@ -492,9 +492,9 @@ def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]
                 break
         time.sleep(0.3)
         sent = time.perf_counter()
-        for s in signals:  # 0.3 s apart: two signals before Python's handler runs count as one
+        for s in signals:  # 0.1 s apart: two signals before Python's handler runs count as one
             process.send_signal(s)
-            time.sleep(0.3)
+            time.sleep(0.1)
         rest, _ = process.communicate(timeout=600)
         return process.returncode, "".join(lines) + rest, time.perf_counter() - sent
 
@@ -504,9 +504,11 @@ def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]
         rows.append((f"SIGTERM during the first compile (micro_batches={micro})", f"exit {code} {took:.1f}s after: {line[:100]}",
                      code == 128 + signal.SIGTERM and took < 10 and "Traceback" not in output))
     code, output, took = signalled("ctrl_c", "step      2/", (signal.SIGINT, signal.SIGINT))
-    line = next((x for x in output.splitlines() if "SIGINT again" in x), output.splitlines()[-1])
+    # Exit 130 at the second; or, where the stop was saved before it came (a tiny model saves in
+    # a fraction of a second), the first's clean stop: never a traceback.
+    line = next((x for x in output.splitlines() if "SIGINT again" in x or "stopped at step" in x), output.splitlines()[-1])
     rows.append(("two Ctrl-C mid-run", f"exit {code} {took:.1f}s after: {line[:100]}",
-                 code == 128 + signal.SIGINT and took < 10 and "Traceback" not in output))
+                 code in (0, 128 + signal.SIGINT) and took < 10 and "Traceback" not in output))
     return rows
 
 
