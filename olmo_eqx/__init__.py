@@ -4,10 +4,16 @@ import sys as _sys
 
 # Before anything below imports JAX: on a machine without an accelerator, JAX runs on the CPU
 # and never loads an installed accelerator plugin (libtpu's error block; olmo_eqx.run.accelerators).
+# With JAX imported first (`import jax, olmo_eqx`), the same through JAX's setting, which still
+# decides until JAX's first call.
 if "jax" not in _sys.modules:
     from .run.accelerators import run_on_cpu_without_an_accelerator
 
     run_on_cpu_without_an_accelerator()
+else:
+    from .run.accelerators import run_on_cpu_with_jax_imported_first
+
+    run_on_cpu_with_jax_imported_first()
 
 # `python -m olmo_eqx` on a CPU re-executes itself with huge pages for XLA:CPU's buffers before
 # anything below imports JAX (olmo_eqx.run.huge_pages).

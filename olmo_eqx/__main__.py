@@ -31,7 +31,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from olmo_eqx.config import CONF_DIR, ConfigError, hydra_refusal, register_configs, stage_settings, to_config
+from olmo_eqx.config import (
+    CONF_DIR, ConfigError, hide_secrets, hydra_refusal, register_configs, stage_settings, to_config,
+)
 from olmo_eqx.errors import RunError, storage_refusal
 from olmo_eqx.run.run_dir import (SUMMARY_FILE, remove_if_new_and_empty, remove_new_sweep_dirs_left_unused,
                                   restore_hydra_files)
@@ -127,10 +129,10 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
     except (ConfigError, RunError) as e:
         # Bad input: one line naming it, not a traceback. In a sweep, fail only this job: the
         # other jobs still run and the summary table marks this one (its error file).
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {hide_secrets(str(e))}", file=sys.stderr)
         if multirun:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / ERROR_FILE).write_text(f"{e}\n")
+            (run_dir / ERROR_FILE).write_text(f"{hide_secrets(str(e))}\n")
             return None
         # A refused run leaves no directory behind that it created (Hydra made it, with only
         # its own .hydra/ inside, before the config could be checked); one that existed gets
@@ -245,7 +247,7 @@ def main() -> None:
                                                     or path_or_yaml_refusal(e))
         if refusal is None:
             raise
-        print(f"error: {refusal}", file=sys.stderr)
+        print(f"error: {hide_secrets(refusal)}", file=sys.stderr)
         remove_new_sweep_dirs_left_unused()
         sys.exit(2)
 

@@ -30,6 +30,9 @@ from olmo_eqx.data.config import DataConfig
 from olmo_eqx.models.config import ModelConfig
 from olmo_eqx.models.zoo import ZOO
 from olmo_eqx.run.run_dir import default_run_dir
+from olmo_eqx.run.secrets import (  # noqa: F401  (hide_secrets: also imported from here)
+    credentials_refusal, has_credentials, hide_secrets, leaves, remember_environment, with_interpolations,
+)
 from olmo_eqx.sharding import MeshConfig
 from olmo_eqx.stages import stage_config_class, stage_entry_points
 from olmo_eqx.train.downstream import DownstreamConfig
@@ -426,17 +429,24 @@ _MISSING = "<not recorded>"
 
 
 def to_config(cfg: Any) -> Config:
-    """The composed Hydra config (a `DictConfig`) as a checked `Config` (raises `ConfigError`)."""
+    """The composed Hydra config (a `DictConfig`) as a checked `Config` (raises `ConfigError`).
+    Settings from the environment are noted (`olmo_eqx.run.secrets`); a URL with a password is refused."""
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     values.pop("hydra", None)
+    remember_environment({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}, values)
+    for path, value in leaves(values):
+        if isinstance(value, str) and has_credentials(value):
+            raise ConfigError(credentials_refusal(value, ".".join(map(str, path)), sep="="))
     config = build(Config, values)
     check_across_groups(config)
     return config
 
 
 def config_to_dict(config: Config) -> dict:
-    """Plain data (JSON/YAML-ready) of a config, e.g. for checkpoints and summaries."""
-    return dataclasses.asdict(config)
+    """Plain data (JSON/YAML-ready) of a config, e.g. for checkpoints and summaries. A setting
+    read from the environment (`${oc.env:NAME}`) is recorded as that interpolation, not its
+    value: config.json and checkpoints are shared and copied, the secret in them must not be."""
+    return with_interpolations(dataclasses.asdict(config))
 
 
 def register_configs(typed: bool = True) -> None:
@@ -533,6 +543,7 @@ def hydra_refusal(error: BaseException) -> Optional[str]:
     the refusal to the dataclass check.
     """
     import difflib
+    import re
 
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -560,6 +571,13 @@ def hydra_refusal(error: BaseException) -> Optional[str]:
         hints = typing.get_type_hints(cls) if cls is not None else {}
         expected = f"; {cause.full_key} takes {_type_name(hints[name])}" if name in hints else ""
         return f"{cause.full_key}: {str(cause).splitlines()[0]}{expected}"
+    if isinstance(error, HydraException) and (
+            appended := re.search(r"Could not override '([^']+)'\. No match in the defaults list\.\s*"
+                                  r"To append to your default list use \+(\S+)", str(error))):
+        # A group selected with a + (`+stage=NAME`), given without it.
+        group, override = appended.groups()
+        return (f"{override}: {group} is not in the defaults list, so it is selected with a + "
+                f"(did you mean +{override}?)")
     if isinstance(error, OverrideParseException):
         return f"cannot read the command line's overrides: {str(error).splitlines()[0]} (see `--help`)"
     if isinstance(error, (HydraException, OmegaConfBaseException)):

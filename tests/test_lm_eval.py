@@ -160,6 +160,8 @@ def test_the_readmes_offline_command_runs_the_shipped_task(setup, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "python_qa" in result.stdout and "acc" in result.stdout
+    # The shipped task says how its metric aggregates: lm-eval has no default to warn about.
+    assert "but aggregation is not" not in result.stderr and "but higher_is_better is not" not in result.stderr
     [written] = list(out.rglob("results_*.json"))
     results = json.loads(written.read_text())
     assert results["n-samples"]["python_qa"]["effective"] == 8

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from olmo_eqx.data.token_files import DataFileError
+from olmo_eqx.run.secrets import credentials_refusal, has_credentials, hide_credentials  # noqa: F401
 
 from olmo_eqx.data.stores import (  # noqa: F401  (SCHEMES, url_tail, the stores: also imported from here)
     SCHEMES, GcsStore, HttpStore, RemoteFileError, RetryPolicy, S3Store, _google_credentials, _Permanent, _Transient,
@@ -93,6 +94,8 @@ class RemoteReader:
         self._cancelled = threading.Event()
 
     def _store(self, url: str):
+        if has_credentials(url):  # refused before any request: never retried as "unreachable"
+            raise RemoteFileError(credentials_refusal(url, self.label))
         scheme = url.split("://", 1)[0]
         kind = {"https": "http"}.get(scheme, scheme)
         with self._lock:
@@ -155,8 +158,10 @@ class RemoteReader:
         ) from None
 
     def size(self, url: str) -> int:
+        store = self._store(url)
+
         def attempt() -> int:
-            size, identity = self._store(url).size(url)
+            size, identity = store.size(url)
             self._pin(url, identity)
             return size
 

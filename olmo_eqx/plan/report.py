@@ -1,8 +1,18 @@
 """Printing a plan, a search's rows and an estimate."""
 
+import math
+
 from olmo_eqx.plan.estimate import step_seconds
 from olmo_eqx.plan.planner import ACCELERATORS, GIB
 from olmo_eqx.train.memory import size
+
+
+def seconds(value: float) -> str:
+    """A duration in plain notation: three decimals, more below 0.1 s to keep three significant
+    figures (a tiny model's step, microseconds on a TPU, read `0.000 s` at three decimals)."""
+    if not value or not math.isfinite(value) or abs(value) >= 0.1:
+        return f"{value:.3f}"
+    return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
 
 # Published MFU figures (MaxText's OLMo 3 reproduction), shown beside the estimates of a plan of
 # the same model only: (model name, figure).
@@ -26,7 +36,7 @@ def format_row(row: dict, header: bool = False) -> str:
         )
     est = row.get("estimate") or {}
     used = row["bytes"]["needed"] / GIB if "bytes" in row else float("nan")
-    step = lambda key: f"{est[key]:9.3f}s" if est.get(key) else "        -"  # noqa: E731
+    step = lambda key: f"{seconds(est[key]):>9}s" if est.get(key) else "        -"  # noqa: E731
     mfu = lambda key: f"{100 * est[key]:5.1f}%" if est.get(key) else "     -"  # noqa: E731
     lines.append(
         f"{row['remat']:<20} {row['micro_batches']:>5} {row['attention_block_size'] or 'auto':>5} {used:8.2f} "
@@ -49,7 +59,7 @@ def format_ranked(ranked: list[dict], top: int = 3) -> str:
         lines.append(
             f"  {i}. model.remat={row['remat']} trainer.micro_batches={row['micro_batches']}"
             + (f" model.attention_block_size={row['attention_block_size']}" if row["attention_block_size"] else "")
-            + f"   {step_seconds(row):.3f} s ({'XLA' if row['estimate']['xla_seconds'] else 'roofline'})"
+            + f"   {seconds(step_seconds(row))} s ({'XLA' if row['estimate']['xla_seconds'] else 'roofline'})"
         )
     return "\n".join(lines)
 
@@ -138,7 +148,7 @@ def format_cross_slice(x: dict, slices: int) -> str:
         if bandwidth := x.get("dcn_bandwidth"):
             # A ring all-reduce over n slices sends 2 (n - 1) / n of the tensor from each device.
             sent = x["bytes"] * 2 * (slices - 1) / slices
-            lines.append(f"  at the chip's published DCN bandwidth ({8 * bandwidth / 1e9:g} Gb/s): {sent / bandwidth:.3f} s "
+            lines.append(f"  at the chip's published DCN bandwidth ({8 * bandwidth / 1e9:g} Gb/s): {seconds(sent / bandwidth)} s "
                          f"per step if none of it overlaps with compute (a ring all-reduce over {slices} slices sends "
                          f"{2 * (slices - 1) / slices:g} x the tensors from each device)")
     return "\n".join(lines)
@@ -152,15 +162,15 @@ def format_estimate(p: dict) -> str:
         f"  step FLOPs per device {est['flops']:.3e} = {est['reconciled_over_model_flops']:.2f} x model FLOPs "
         f"(remat recomputation; loops counted, {est['kernel_flops']:.2e} of it attention kernel FLOPs from the formula)",
         f"  HBM bytes per device  {est['hbm_bytes'] or 0:.3e}",
-        f"  roofline: compute {terms['compute']:.3f} s, HBM {terms['hbm']:.3f} s, interconnect {terms['interconnect']:.3f} s"
-        f" -> {est['roofline_seconds']:.3f} s per step ({est['roofline_bound']}-bound), MFU {100 * est['roofline_mfu']:.1f}%",
+        f"  roofline: compute {seconds(terms['compute'])} s, HBM {seconds(terms['hbm'])} s, interconnect {seconds(terms['interconnect'])} s"
+        f" -> {seconds(est['roofline_seconds'])} s per step ({est['roofline_bound']}-bound), MFU {100 * est['roofline_mfu']:.1f}%",
     ]
     if est["xla_seconds"]:
-        kernel = f" (of it the attention kernel {est['kernel_seconds']:.3f} s)" if est.get("kernel_seconds") else ""
-        lines.append(f"  XLA's cost model: {est['xla_seconds']:.3f} s per step{kernel}, MFU {100 * est['xla_mfu']:.1f}%")
+        kernel = f" (of it the attention kernel {seconds(est['kernel_seconds'])} s)" if est.get("kernel_seconds") else ""
+        lines.append(f"  XLA's cost model: {seconds(est['xla_seconds'])} s per step{kernel}, MFU {100 * est['xla_mfu']:.1f}%")
     else:
         raw = est.get("xla_optimal_seconds") or {}
-        said = ", ".join(f"{k} {v:.3f} s" for k, v in raw.items() if v is not None) or "nothing"
+        said = ", ".join(f"{k} {seconds(v)} s" for k, v in raw.items() if v is not None) or "nothing"
         lines.append(f"  XLA's cost model: no usable step time (its optimal_seconds: {said}); the roofline stands alone")
     lines += [f"  (published: {figure})" for model, figure in PUBLISHED_MFU if model == p["model"]]
     return "\n".join(lines)

@@ -44,3 +44,21 @@ def run_on_cpu_without_an_accelerator(environ: MutableMapping[str, str] = os.env
         return False
     environ["JAX_PLATFORMS"] = "cpu"
     return True
+
+
+def run_on_cpu_with_jax_imported_first(environ: MutableMapping[str, str] = os.environ, root: str = "/") -> bool:
+    """`run_on_cpu_without_an_accelerator` for a user who imported JAX before the package
+    (`import jax, olmo_eqx`): JAX has read `JAX_PLATFORMS` already, but it picks its backends
+    only at its first call (`jax.devices()`, the first array), from its `jax_platforms`
+    setting; until then that setting can still be made `cpu`. Whether it did: not once a
+    backend is up, nor when the user chose a platform (the variable or the setting)."""
+    import jax
+    from jax._src import xla_bridge
+
+    initialized = getattr(xla_bridge, "backends_are_initialized", lambda: bool(getattr(xla_bridge, "_backends", None)))
+    if jax.config.jax_platforms or initialized():
+        return False
+    if not run_on_cpu_without_an_accelerator(environ, root):
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
+from olmo_eqx.run.secrets import hide_secrets
 from olmo_eqx.run.sinks import MetricSink, make_sinks, sink_error
 
 CONFIG_FILE = "config.json"
@@ -95,6 +96,7 @@ class RunDir:
                 self._printing = False
 
     def _emit(self, text: str, error: bool) -> None:
+        text = hide_secrets(text)
         print(text, flush=True, file=sys.stderr if error else sys.stdout)
         if self._log_name is not None and not self._failed:
             if self._log is None:
@@ -121,14 +123,14 @@ class RunDir:
         path = self.path / name
         if self.enabled and not self._failed:
             self._ensure()
-            self._writing(path, lambda: path.write_text(json.dumps(_jsonable(data), indent=2) + "\n"))
+            self._writing(path, lambda: path.write_text(hide_secrets(json.dumps(_jsonable(data), indent=2)) + "\n"))
         return path
 
     def write_text(self, name: str, text: str) -> Path:
         path = self.path / name
         if self.enabled and not self._failed:
             self._ensure()
-            self._writing(path, lambda: path.write_text(text))
+            self._writing(path, lambda: path.write_text(hide_secrets(text)))
         return path
 
     def write_config(self, config: Any) -> Path:

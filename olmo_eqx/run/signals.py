@@ -1,10 +1,22 @@
-"""SIGTERM/SIGINT as a flag the train loop checks between steps (finish the step, save, exit 0)."""
+"""SIGTERM/SIGINT as a flag the train loop checks between steps (finish the step, save, exit 0).
 
+Before a session's first step has finished there is nothing new to save (the state is the
+checkpoint it resumed, or a fresh start a rerun makes again), and that step is mostly
+compilation, seconds to many minutes of XLA that a flag would wait for. So a signal then stops
+the run at once: one line, exit status 128 + the signal's number, nothing written. For a
+Python signal handler to run at all during a compilation, the compiling call runs in a thread
+of its own (`while_interruptible`) while the main thread waits. A second Ctrl-C always stops at
+once, without a traceback (the last checkpoint stays: saves are atomic).
+"""
+
+import contextvars
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -15,6 +27,8 @@ class StopFlag:
 
     def __init__(self):
         self.signal: Optional[str] = None
+        # True while a signal would find nothing to save (before the session's first step).
+        self.nothing_to_save = False
 
     def __bool__(self) -> bool:
         return self.signal is not None
@@ -33,8 +47,11 @@ def stop_on_signals(say: Callable[[str], None]) -> Iterator[StopFlag]:
 
     def handler(signum, _frame):
         if flag and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            stop_now(say, "SIGINT again: stopping now without saving (the last checkpoint is intact)", signum)
         flag.signal = signal.Signals(signum).name
+        if flag.nothing_to_save:
+            stop_now(say, f"\n{flag.signal} received before this session's first step finished: nothing new to save, "
+                          "stopping now; rerun to resume", signum)
         say(f"\n{flag.signal} received: finishing this step, then saving a checkpoint")
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -43,6 +60,48 @@ def stop_on_signals(say: Callable[[str], None]) -> Iterator[StopFlag]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def stop_now(say: Callable[[str], None], line: str, signum: int) -> None:
+    """Say `line` and end the process at once, exit status 128 + `signum` (the shell's for a
+    process stopped by that signal): no traceback, no waiting on a compilation or a save in
+    flight (the kernel releases the run's lock; an unfinished save is never taken for a
+    checkpoint)."""
+    try:
+        say(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(128 + signum)
+
+
+def while_interruptible(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a thread of its own, the main thread waiting for it: a signal handler,
+    which Python runs only in the main thread and only between bytecodes, then runs within
+    moments even while `fn` is inside a minutes-long XLA compilation. What `fn` raises is
+    raised here."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def work():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (handed to the waiting thread, raised there)
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    # A daemon: a process stopping during a compilation does not wait for it.
+    # The caller's context variables go with it (a traced function may read them).
+    context = contextvars.copy_context()
+    threading.Thread(target=lambda: context.run(work), name="olmo-eqx-compile", daemon=True).start()
+    while not done.wait(1.0):
+        pass
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def ignore_signals_after_completion(say: Callable[[str], None]) -> None:

@@ -67,7 +67,7 @@ from olmo_eqx.train.gap_alarm import GapAlarm, warn as warn_gap
 from olmo_eqx.train.mfu import cpu_peak_source, mfu, peak_flops_per_device
 from olmo_eqx.train.profile import StepProfiler
 from olmo_eqx.train.schedules import make_schedule
-from olmo_eqx.run.signals import any_process, ignore_signals_after_completion, stop_on_signals
+from olmo_eqx.run.signals import any_process, ignore_signals_after_completion, stop_on_signals, while_interruptible
 from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_state
 from olmo_eqx.train.memory import compiler_refusal
 from olmo_eqx.train.micro_batches import MicroBatchChoice, choose_micro_batches
@@ -168,8 +168,11 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             say = (lambda line: print(line, flush=True)) if main_process else None  # noqa: E731
             previous = previous_session(stored_config)
             trains = start_step < (config.trainer.stop_at or config.trainer.steps)
-            choice = choose_micro_batches(config, state, mesh, rules, schedule, dataset, progress=say, previous=previous,
-                                          trains=trains)
+            # trainer.micro_batches=auto compiles the step here: a signal stops at once (nothing to save yet).
+            with stop_on_signals(say or (lambda line: None)) as stop:
+                stop.nothing_to_save = True
+                choice = while_interruptible(lambda: choose_micro_batches(
+                    config, state, mesh, rules, schedule, dataset, progress=say, previous=previous, trains=trains))
             if line := choice.line(previous):
                 notes.append(line)
             config_dict = {**config_to_dict(config), "session": choice.record()}
@@ -279,59 +282,69 @@ class _Loop:
         # Remote token files: `depth` batches read at once, so round trips overlap across batches too.
         workers = depth if self.loader.dataset.reader is not None else 1
         prefetcher = Prefetcher(self.loader, depth=depth, transform=to_global, workers=workers)
-        with stop_on_signals(self.out.print) as stop, prefetcher as batches:
-            if jax.process_count() == 1:  # several processes must agree on their last step: at log steps
-                prefetcher.interrupted = lambda: bool(stop)
-            try:
-                for step in range(self.start_step + 1, self.end_step + 1):
-                    profiler.before_step(step)
-                    try:
-                        batch = next(batches)
-                    except Interrupted:  # a signal while a slow server held the batch: stop at the last step
-                        interrupted, self.end_step = stop.signal, step - 1
-                        break
-                    self.state, metrics = self.step(self.state, batch)
-                    profiler.after_step(step, metrics)
-                    checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
-                    if pending is not None:  # the previous step's metrics, one step late
-                        self.record(*pending, boundary=False)
-                        pending = None
-                    evaluate_now = bool(self.eval_batches) and (step % trainer.eval_every == 0 or step == self.end_step)
-                    save_now = bool(self.config.checkpoint.every) and step % self.config.checkpoint.every == 0
-                    # A step is checked by the divergence guard before it is saved or evaluated.
-                    log_now = step == self.start_step + 1 or step % trainer.log_every == 0 or step == self.end_step
-                    downstream_now = self.downstream is not None and self.downstream.due(step, self.end_step)
-                    if log_now or evaluate_now or save_now or downstream_now:
-                        self.record(step, metrics, boundary=True)
-                    else:
-                        pending = (step, metrics)
-                    if evaluate_now:
-                        self.run_eval(step)
-                    if downstream_now:
-                        self.downstream.run(step, self.state.model, self.write, self.out.print)
-                        self.throughput.pause()
-                    if save_now:
-                        self.save(step)
-                    # Every process must stop at the same step: agree (a collective) at log steps.
-                    if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
-                        if any_process(bool(stop)):
-                            interrupted, self.end_step = stop.signal or "signal on another process", step
+        # The stop signals stay handled until the summary is written: a second Ctrl-C during the
+        # final save stops at once too, not with a traceback.
+        with stop_on_signals(self.out.print) as stop:
+            with prefetcher as batches:
+                if jax.process_count() == 1:  # several processes must agree on their last step: at log steps
+                    prefetcher.interrupted = lambda: bool(stop)
+                # Until the first step has run, a signal stops at once (olmo_eqx.run.signals): that step
+                # compiles, for minutes on a large model, and before it there is nothing new to save.
+                stop.nothing_to_save = True
+                try:
+                    for step in range(self.start_step + 1, self.end_step + 1):
+                        profiler.before_step(step)
+                        try:
+                            batch = next(batches)
+                        except Interrupted:  # a signal while a slow server held the batch: stop at the last step
+                            interrupted, self.end_step = stop.signal, step - 1
                             break
-                if pending is not None:
-                    self.record(*pending, boundary=False)
-            finally:
-                profiler.stop()  # a run stopped inside the profiled range still leaves its trace
-        if self.start_step >= self.end_step and interrupted is None:
-            self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
-                           f"{trainer.stop_at or trainer.steps}")
-            if self.eval_batches:
-                self.run_eval(self.start_step)
-        self.save(self.end_step)
-        checkpointer.wait_until_finished()
+                        if stop.nothing_to_save:
+                            self.state, metrics = while_interruptible(self.step, self.state, batch)
+                            stop.nothing_to_save = False
+                        else:
+                            self.state, metrics = self.step(self.state, batch)
+                        profiler.after_step(step, metrics)
+                        checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
+                        if pending is not None:  # the previous step's metrics, one step late
+                            self.record(*pending, boundary=False)
+                            pending = None
+                        evaluate_now = bool(self.eval_batches) and (step % trainer.eval_every == 0 or step == self.end_step)
+                        save_now = bool(self.config.checkpoint.every) and step % self.config.checkpoint.every == 0
+                        # A step is checked by the divergence guard before it is saved or evaluated.
+                        log_now = step == self.start_step + 1 or step % trainer.log_every == 0 or step == self.end_step
+                        downstream_now = self.downstream is not None and self.downstream.due(step, self.end_step)
+                        if log_now or evaluate_now or save_now or downstream_now:
+                            self.record(step, metrics, boundary=True)
+                        else:
+                            pending = (step, metrics)
+                        if evaluate_now:
+                            self.run_eval(step)
+                        if downstream_now:
+                            self.downstream.run(step, self.state.model, self.write, self.out.print)
+                            self.throughput.pause()
+                        if save_now:
+                            self.save(step)
+                        # Every process must stop at the same step: agree (a collective) at log steps.
+                        if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
+                            if any_process(bool(stop)):
+                                interrupted, self.end_step = stop.signal or "signal on another process", step
+                                break
+                    if pending is not None:
+                        self.record(*pending, boundary=False)
+                finally:
+                    profiler.stop()  # a run stopped inside the profiled range still leaves its trace
+            if self.start_step >= self.end_step and interrupted is None:
+                self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
+                               f"{trainer.stop_at or trainer.steps}")
+                if self.eval_batches:
+                    self.run_eval(self.start_step)
+            self.save(self.end_step)
+            checkpointer.wait_until_finished()
 
-        end_step = self.end_step
-        summary = self.summary(end_step, interrupted=interrupted)
-        summary_path = self.out.write_summary(summary)
+            end_step = self.end_step
+            summary = self.summary(end_step, interrupted=interrupted)
+            summary_path = self.out.write_summary(summary)
         ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
         took = f"{summary['wall_time_s']:.1f}s"

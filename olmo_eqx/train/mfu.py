@@ -65,18 +65,57 @@ def _idle() -> bool:
     return os.getloadavg()[0] <= (os.cpu_count() or 1) / 2
 
 
+def _cpu_seconds() -> Optional[tuple[float, float]]:
+    """(CPU seconds all cores have been busy since boot, this process's CPU seconds), or None
+    where /proc/stat cannot be read (not Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+# How the last `measure_cpu_peak` went: (matmuls timed, their size, seconds, cores other processes
+# kept busy meanwhile, or None where that cannot be read). The 1-minute load average lags a minute behind:
+# a run started right after other work (or right before it) was called idle whatever the load.
+_LAST_MEASUREMENT: Optional[tuple[int, int, float, Optional[float]]] = None
+# Other processes using this many cores on average during the measurement make it busy.
+_OTHERS_BUSY = 0.5
+
+
 def measure_cpu_peak(seconds: float = 2.0, size: int = 1024) -> float:
     """FLOP/s of one CPU device on float32 [size, size] matmuls, best of several timed runs."""
+    global _LAST_MEASUREMENT
     device = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
-    best, start = 0.0, time.perf_counter()
+    before = _cpu_seconds()
+    best, start, runs = 0.0, time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         matmul(a).block_until_ready()
         best = max(best, 2.0 * size**3 / (time.perf_counter() - t0))
+        runs += 1
+    elapsed, after = time.perf_counter() - start, _cpu_seconds()
+    others = None
+    if before is not None and after is not None:
+        others = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / elapsed)
+    _LAST_MEASUREMENT = (runs, size, elapsed, others)
     return best
+
+
+def _how_measured() -> str:
+    """How the last measurement went, for the header and the cache ("" if not known)."""
+    if _LAST_MEASUREMENT is None:
+        return ""
+    runs, size, elapsed, others = _LAST_MEASUREMENT
+    how = f"best of {runs} float32 {size}x{size} matmuls in {elapsed:.1f} s"
+    if others is not None:
+        how += f", other processes using {others:.1f} of {os.cpu_count() or 1} cores meanwhile"
+    return how
 
 
 def _read_cache(path: Path) -> Optional[dict]:
@@ -110,18 +149,29 @@ def cpu_peak_flops() -> float:
             _CPU_PEAK_SOURCE = (f"measured {when} on busy cores ({cached['busy']}): an underestimate, so MFU reads high; "
                                 f"cached in {path} so that runs compare, until a run starts on idle cores")
         else:
-            _CPU_PEAK_SOURCE = f"measured {when} on idle cores, cached in {path} for every run here; delete it to measure again"
+            how = f" ({cached['how']})" if cached.get("how") else ""
+            _CPU_PEAK_SOURCE = (f"measured {when} on idle cores{how}, cached in {path} for every run here; delete it to "
+                                "measure again")
         return _CPU_PEAK
     again = " again (the cached figure was measured on busy cores)" if cached is not None else ""
     print(f"measuring this CPU's float32 matmul peak for MFU{again}, about 2 s ...", file=sys.stderr, flush=True)
+    global _LAST_MEASUREMENT
+    _LAST_MEASUREMENT = None
     busy = _busy()
     _CPU_PEAK = measure_cpu_peak()
+    how = _how_measured()
+    if not busy and _LAST_MEASUREMENT is not None and (_LAST_MEASUREMENT[3] or 0) >= _OTHERS_BUSY:
+        busy = f"other processes using {_LAST_MEASUREMENT[3]:.1f} of {os.cpu_count() or 1} cores"
     record = {"flops_per_second": _CPU_PEAK, "dtype": "float32", "measured_at": time.time(), "machine": _machine()}
+    if how:
+        record["how"] = how
     if busy:
         record["busy"] = busy
         _CPU_PEAK_SOURCE = f"measured now on busy cores ({busy}): an underestimate, so MFU reads high"
     else:
         _CPU_PEAK_SOURCE = "measured now on idle cores"
+    if how:
+        _CPU_PEAK_SOURCE += f" ({how})"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
