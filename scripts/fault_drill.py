@@ -504,6 +504,8 @@ def drill_issue_50_data(root: Path, good: Path, copy) -> list[tuple[str, str, bo
     lines = [line for line in output.splitlines() if line.startswith("error: ")]
     rows.append(("local token file truncated mid-run", f"exit {job.returncode}: {(lines or [output[-150:]])[-1][:150]}",
                  job.returncode == 2 and len(lines) == 1 and "Traceback" not in output and not (d / "run.lock").exists()))
+    return rows
+
 
 def drill_issue_50_outputs(root: Path, good: Path, copy) -> list[tuple[str, str, bool]]:
     """Issue 50's "outputs never destroy" and "imports are checked" rows (10-14) and the refused
@@ -586,6 +588,7 @@ def drill_issue_50_outputs(root: Path, good: Path, copy) -> list[tuple[str, str,
                        timeout=600, cwd=root)
     rows.append(("config file with a !!python tag", f"exit {r.returncode}: {said(r)}",
                  one_line(r) and not (root / "pwned").exists() and not (root / "evil").exists()))
+    return rows
 
 
 def drill_issue_50_signals_and_secrets(root: Path) -> list[tuple[str, str, bool]]:
