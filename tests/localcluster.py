@@ -89,7 +89,6 @@ def launch_local_cluster(
     metadata: Optional[list[str]] = None,
     env: Optional[dict] = None,
     rank_env: Optional[dict] = None,
-    environments: Optional[list[dict]] = None,
 ) -> list[subprocess.Popen]:
     """Start `command` once per process with the launcher environment `jax.distributed` reads
     (`olmo_eqx.infra.cluster.start_cluster`); each process fakes its CPU devices.
@@ -101,9 +100,8 @@ def launch_local_cluster(
     launcher "tpu-vm": a TPU VM pod host: nothing but GCE_METADATA_IP, process i's pointing at
     `metadata[i]` (host:port of a metadata server: `tpu_vm_metadata`), and JAX_COORDINATOR_PORT.
     ranks: start only these processes (the others never arrive); env: added to every process,
-    rank_env[i] to process i's.
-    environments: more variables for each process (one dict per process: e.g. a staging dir
-    of its own, as hosts without a shared file system have).
+    rank_env[i] to process i's (e.g. a staging dir of its own, as hosts without a shared file
+    system have).
     """
     port = free_port()
     while not _free(port + 1):  # the roll call's port (olmo_eqx.infra.cluster.RollCall)
@@ -129,7 +127,6 @@ def launch_local_cluster(
         else:
             raise ValueError(f"launcher={launcher!r}: 'jax', 'slurm', 'gke', 'gke-slices' or 'tpu-vm'")
         env.update(extra, **(rank_env or {}).get(rank, {}))
-        env.update((environments or [{}] * n_processes)[rank])
         stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
     return processes

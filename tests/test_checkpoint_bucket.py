@@ -90,10 +90,10 @@ def two_processes(url: str, run_dir, staging, *extra: str, stall_at: Optional[in
     uploads of step `stall_at` stall: `STALLING`)."""
     command = [sys.executable, "-m", "olmo_eqx"] if stall_at is None else [sys.executable, "-c", STALLING]
     args = [*command, *ARGS, f"checkpoint.dir={url}", f"hydra.run.dir={run_dir}", *extra]
-    environments = [{"OLMO_EQX_CHECKPOINT_STAGING": str(staging / f"host{i}")} for i in range(2)]
+    environments = {i: {"OLMO_EQX_CHECKPOINT_STAGING": str(staging / f"host{i}")} for i in range(2)}
     if stall_at is not None:
         environments[1]["STALL_AT"] = str(stall_at)
-    return launch_local_cluster(args, merge_stderr=True, environments=environments)
+    return launch_local_cluster(args, merge_stderr=True, rank_env=environments)
 
 
 def finish(processes, timeout: float = 300) -> list[str]:

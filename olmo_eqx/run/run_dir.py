@@ -76,8 +76,9 @@ class RunDir:
         """Where `name` lives in this run dir (for writers of their own format: checkpoints, plots)."""
         return self.path / name
 
-    def print(self, text: str, *, error: bool = False) -> None:
-        """Print (stdout, or stderr with error=True) and append to the log file.
+    def print(self, text: str, *, error: bool = False, echo: bool = True) -> None:
+        """Print (stdout, or stderr with error=True) and append to the log file (echo=False: the
+        log file alone, for a line the process printed before the run dir could be written).
 
         A signal handler that prints (`ignore_signals_after_completion`) runs between two
         bytecodes of this thread, possibly inside this method's own write or flush, where a
@@ -86,7 +87,7 @@ class RunDir:
         """
         if not self.enabled:
             return
-        self._lines.append((text, error))
+        self._lines.append((text, error, echo))
         while self._lines and not self._printing:
             self._printing = True
             try:
@@ -95,9 +96,10 @@ class RunDir:
             finally:
                 self._printing = False
 
-    def _emit(self, text: str, error: bool) -> None:
+    def _emit(self, text: str, error: bool, echo: bool) -> None:
         text = hide_secrets(text)
-        print(text, flush=True, file=sys.stderr if error else sys.stdout)
+        if echo:
+            print(text, flush=True, file=sys.stderr if error else sys.stdout)
         if self._log_name is not None and not self._failed:
             if self._log is None:
                 self._ensure()

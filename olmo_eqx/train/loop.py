@@ -59,6 +59,7 @@ from olmo_eqx.models.registry import count_params
 from olmo_eqx.run.plots import loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
+from olmo_eqx.run.secrets import hide_secrets
 from olmo_eqx.infra.cluster import cluster_line, start_cluster
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh
 from olmo_eqx.run.sinks import METRICS_FILE, check_loggers, last_recorded_step
@@ -137,7 +138,11 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
     except (DataFileError, ValueError, ImportError) as e:
         raise TrainError(str(e)) from e
     rules = ShardingRules()
-    notes = (cluster_line(start_cluster(), mesh), *notes)  # the log's first line
+    # The first line, printed before anything compiles (trainer.micro_batches=auto's compiles
+    # report as they go), and the log's first line once the run dir is written.
+    first_line = cluster_line(start_cluster(), mesh)
+    if main_process:
+        print(hide_secrets(first_line), flush=True)
     if main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
     with _one_writer(run_dir, main_process):
@@ -186,6 +191,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                 if recorded is not None and recorded > start_step:  # e.g. a host lost before its upload
                     notes.append(f"{out.file(METRICS_FILE)} records steps up to {recorded}, past the checkpoint resumed "
                                  f"(step {start_step}): steps {start_step + 1}-{recorded} are trained again")
+                out.print(first_line, echo=False)
                 for note in notes:
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,

@@ -133,7 +133,7 @@ def device_budget(device, configured_gib: Optional[float] = None, local_devices:
         return Budget(int(stats["bytes_limit"]), f"the {device.device_kind}'s memory_stats() bytes_limit")
     host = host_memory_bytes() if device.platform == "cpu" else 0
     if host:
-        return Budget(host // max(local_devices, 1), f"the host's memory over its {local_devices} local devices")
+        return Budget(host // max(local_devices, 1), f"the host's memory over its {local_devices} local device" + ("" if local_devices == 1 else "s"))
     raise ValueError(
         f"trainer.micro_batches=auto: the {device.platform} device {device.device_kind!r} reports no memory limit "
         "(memory_stats()); set trainer.device_memory_gib to what one device offers, or a fixed trainer.micro_batches"

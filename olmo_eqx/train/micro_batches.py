@@ -78,7 +78,8 @@ class MicroBatchChoice:
         `record()`, from the checkpoint resumed); None for a fixed count with nothing changed."""
         previous = previous or {}
         before_devices, before_micro = previous.get("devices"), previous.get("micro_batches")
-        devices = f"{self.devices} devices" if before_devices in (None, self.devices) else f"{before_devices} -> {self.devices} devices"
+        plural = lambda n: f"{n} device" + ("" if n == 1 else "s")  # noqa: E731
+        devices = plural(self.devices) if before_devices in (None, self.devices) else f"{before_devices} -> {plural(self.devices)}"
         if before_micro is not None and before_micro != self.micro_batches:
             micro = f"micro-batches {before_micro} -> {self.micro_batches}"
         else:
