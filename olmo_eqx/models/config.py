@@ -22,6 +22,7 @@ TPU_UNROLLED_LAYERS = 16
 
 RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_context", "save_qkv", "offload_projections"]
 DType = Literal["float32", "bfloat16"]
+Quantization = Literal["int8"]
 LayerKind = Literal["gdn", "attention"]
 
 
@@ -78,6 +79,10 @@ class ModelConfig:
     # 512 on accelerators. Splash needs a multiple of 128.
     attention_block_size: Optional[int] = None
     remat: RematPolicy = "none"
+    # "int8": the attention and dense-MLP projections run as int8 matmuls forward and backward
+    # through Google's Qwix (`quantization.py`; weights and optimiser state stay float32; MoE
+    # experts and Gated DeltaNet layers keep the compute dtype); null: none.
+    quantization: Optional[Quantization] = None
     # Sequence positions per chunk of the training loss: the float32 logits of one chunk
     # ([batch, chunk, vocab]) exist at a time, rematerialised in the backward pass.
     loss_chunk_size: int = 1024

@@ -21,6 +21,7 @@ decide the layout: the embedding output, every block's output, attention's q/k/v
 the MLP's hidden layer and the logits. Without it (one device, tests) nothing is pinned.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -35,6 +36,7 @@ from .attention import HEADS, KV_HEADS, AttentionMask, attend, program_platform,
 from .base import CausalLM, Constrain, embed_tokens, over_layers, unconstrained
 from .base import axes as _axes
 from .config import ModelConfig
+from .quantization import quantized_matmul
 
 
 # Logical axes of the activations the model pins (see `olmo_eqx.sharding.ShardingRules`).
@@ -47,9 +49,11 @@ def dense(
     constrain: Constrain = unconstrained,
     *,
     out_dtype=None,
+    quantization: Optional[str] = None,
 ) -> Float[Array, "batch seq d_out"]:
     """`x @ weight` (weight cast to x's dtype; the result in `out_dtype`, default x's), as one
-    2-D matmul over all batch x seq tokens.
+    2-D matmul over all batch x seq tokens; with `quantization` ("int8") an integer matmul
+    forward and backward (`quantization.py`).
 
     Why 2-D: XLA:CPU turns the weight gradient of the 3-D form (a contraction over batch and
     sequence) into a transposed copy of the output gradient plus a slow transposed dot, which
@@ -58,6 +62,9 @@ def dense(
     has no layout GSPMD can keep, so the 3-D form stays.
     """
     weight = weight.astype(x.dtype)
+    if quantization is not None:
+        flat = quantized_matmul(x.reshape(-1, x.shape[-1]), weight, quantization, out_dtype=out_dtype)
+        return flat.reshape(*x.shape[:-1], weight.shape[-1])
     if sequence_sharded(constrain, x.shape):
         return jnp.einsum("bsd,df->bsf", x, weight, preferred_element_type=out_dtype)
     flat = jnp.matmul(x.reshape(-1, x.shape[-1]), weight, preferred_element_type=out_dtype)
@@ -204,6 +211,8 @@ class Attention(eqx.Module):
     # QK-norm normalises the whole projection (all heads together), not each head.
     q_norm: RMSNorm
     k_norm: RMSNorm
+    # `model.quantization` of the projections (None: the compute dtype's matmuls).
+    quantization: Optional[str] = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         dtype = jnp.dtype(config.param_dtype)
@@ -217,6 +226,7 @@ class Attention(eqx.Module):
         self.o_proj = _truncated_normal(ko, (q_features, config.d_model), std, dtype)
         self.q_norm = RMSNorm(q_features, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(kv_features, config.rms_norm_eps, dtype)
+        self.quantization = config.quantization
 
     def __call__(
         self,
@@ -244,9 +254,10 @@ class Attention(eqx.Module):
         are what a KV cache keeps: `olmo_eqx.generate`)."""
         batch, seq, _ = x.shape
         # The names mark what the "save_projections" remat policy keeps for the backward pass.
-        q = self.q_norm(checkpoint_name(dense(x, self.q_proj, constrain), "q_proj"))
-        k = self.k_norm(checkpoint_name(dense(x, self.k_proj, constrain), "k_proj"))
-        v = checkpoint_name(dense(x, self.v_proj, constrain), "v_proj")
+        project = functools.partial(dense, x, constrain=constrain, quantization=self.quantization)
+        q = self.q_norm(checkpoint_name(project(self.q_proj), "q_proj"))
+        k = self.k_norm(checkpoint_name(project(self.k_proj), "k_proj"))
+        v = checkpoint_name(project(self.v_proj), "v_proj")
         if config.clip_qkv is not None:  # after the QK-norm, before RoPE, as HF's OLMoE
             q, k, v = (jnp.clip(a, -config.clip_qkv, config.clip_qkv) for a in (q, k, v))
         q = constrain(rope(q.reshape(batch, seq, config.n_heads, config.head_dim)), HEADS)
@@ -260,7 +271,8 @@ class Attention(eqx.Module):
         """The output projection of the attention context."""
         batch, seq = context.shape[:2]
         context = checkpoint_name(context, "attention_context")
-        return checkpoint_name(dense(context.reshape(batch, seq, -1), self.o_proj, constrain), "o_proj")
+        projected = dense(context.reshape(batch, seq, -1), self.o_proj, constrain, quantization=self.quantization)
+        return checkpoint_name(projected, "o_proj")
 
 
 @jax.custom_vjp
@@ -294,6 +306,7 @@ class MLP(eqx.Module):
     gate_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp", matmul=True)
     up_proj: Float[Array, "d_model hidden"] = _axes("embed", "mlp", matmul=True)
     down_proj: Float[Array, "hidden d_model"] = _axes("mlp", "embed", matmul=True)
+    quantization: Optional[str] = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         dtype = jnp.dtype(config.param_dtype)
@@ -302,14 +315,16 @@ class MLP(eqx.Module):
         self.gate_proj = _truncated_normal(kg, shape_in, config.init_std, dtype)
         self.up_proj = _truncated_normal(ku, shape_in, config.init_std, dtype)
         self.down_proj = _truncated_normal(kd, shape_in[::-1], config.init_std, dtype)
+        self.quantization = config.quantization
 
     def __call__(
         self, x: Float[Array, "batch seq d_model"], constrain: Constrain = unconstrained
     ) -> Float[Array, "batch seq d_model"]:
         hidden = ("batch", "sequence", "act_mlp")
-        gate = constrain(checkpoint_name(dense(x, self.gate_proj, constrain), "gate_proj"), hidden)
-        up = constrain(checkpoint_name(dense(x, self.up_proj, constrain), "up_proj"), hidden)
-        return checkpoint_name(dense(swiglu(gate, up), self.down_proj, constrain), "down_proj")
+        quantization = self.quantization
+        gate = constrain(checkpoint_name(dense(x, self.gate_proj, constrain, quantization=quantization), "gate_proj"), hidden)
+        up = constrain(checkpoint_name(dense(x, self.up_proj, constrain, quantization=quantization), "up_proj"), hidden)
+        return checkpoint_name(dense(swiglu(gate, up), self.down_proj, constrain, quantization=quantization), "down_proj")
 
 
 class Block(eqx.Module):

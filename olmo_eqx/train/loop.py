@@ -55,6 +55,7 @@ from olmo_eqx.data.sources import build_datasets, check_against_model, document_
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
+from olmo_eqx.models.quantization import check_available as check_quantization
 from olmo_eqx.models.registry import count_params
 from olmo_eqx.run.plots import loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
@@ -126,6 +127,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         # Remote token files: their sizes come from the run dir's cache when a previous session left one.
         size_cache = SizeCache(run_dir / SizeCache.FILE)
         check_against_model(config.data, config.model.vocab_size, config.model.max_sequence_length)
+        check_quantization(config.model.quantization)  # its library, before anything compiles
         dataset, heldout = build_datasets(config.data, config.model.vocab_size, size_cache=size_cache.path)
         mesh = make_mesh(config.mesh)
         schedule = make_schedule(config.schedule, config.optim.lr, config.trainer.steps)
