@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from olmo_eqx.run import huge_pages
+from olmo_eqx.run import goodput, huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import Checkpointer
 from olmo_eqx.checkpoint.remote import STAGED_RECORD
@@ -56,7 +56,8 @@ from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
-from olmo_eqx.run.plots import loss_plot, read_metrics
+from olmo_eqx.run.goodput import Ledger, SessionFile
+from olmo_eqx.run.plots import goodput_plot, loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
 from olmo_eqx.run.secrets import hide_secrets
@@ -109,13 +110,23 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
     passes one that loads earlier weights); a resume always wins over it.
     notes: lines a stage wants at the top of this session's log (printed and kept in train.log).
     """
-    start_cluster()
-    # A failure in one process stops every process within seconds, with its message.
-    with FailureWatch():
-        return _train(config, run_dir, init_state, notes)
+    # Where this session's wall time goes (olmo_eqx.run.goodput), from the process's start.
+    ledger = Ledger.for_session()
+    with ledger.active():
+        start_cluster()
+        # A failure in one process stops every process within seconds, with its message.
+        with FailureWatch():
+            try:
+                summary = _train(config, run_dir, init_state, notes, ledger)
+            except BaseException as e:
+                with contextlib.suppress(Exception):  # the error in flight is the one to report
+                    ledger.end(f"failed: {type(e).__name__}")
+                raise
+        ledger.end("finished" if summary.get("stage_completed") else "stopped")
+        return summary
 
 
-def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...]) -> dict:
+def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...], ledger: Ledger) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     main_process = jax.process_index() == 0
@@ -174,7 +185,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             previous = previous_session(stored_config)
             trains = start_step < (config.trainer.stop_at or config.trainer.steps)
             # trainer.micro_batches=auto compiles the step here: a signal stops at once (nothing to save yet).
-            with stop_on_signals(say or (lambda line: None)) as stop:
+            with stop_on_signals(say or (lambda line: None)) as stop, ledger.bucket("compile"):
                 stop.nothing_to_save = True
                 choice = while_interruptible(lambda: choose_micro_batches(
                     config, state, mesh, rules, schedule, dataset, progress=say, previous=previous, trains=trains))
@@ -183,8 +194,11 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             config_dict = {**config_to_dict(config), "session": choice.record()}
             out = RunDir(run_dir, enabled=main_process, log_name=LOG_FILE, loggers=config.trainer.loggers,
                          sink_config=config_dict)
+            ledger.start_step = start_step
             try:
                 out.write_config(config_dict)
+                if main_process:  # the session's record, rewritten as it goes
+                    ledger.write_to(SessionFile(run_dir, out.replace_text))
                 if main_process:
                     size_cache.save(remote_sizes(dataset, heldout))
                 recorded = last_recorded_step(out.file(METRICS_FILE)) if main_process else None
@@ -196,7 +210,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
                              mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started,
-                             health=health, downstream=downstream, choice=choice)
+                             health=health, downstream=downstream, choice=choice, ledger=ledger)
                 loop.banner(mesh)
                 summary = loop.run()
             except DataFileError as e:  # token ids out of range, found as the batch is read
@@ -207,7 +221,8 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 checkpointer.close()
             raise
-        checkpointer.close()  # waits for saves in flight
+        with ledger.bucket("checkpoint"):
+            checkpointer.close()  # waits for saves in flight
         return summary
 
 
@@ -220,8 +235,10 @@ class _Loop:
     carries between steps lives on this object, each piece of host-side work is one method."""
 
     def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule,
-                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None):
+                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None,
+                 ledger: Optional[Ledger] = None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
+        self.ledger = ledger if ledger is not None else Ledger()
         self.start_step, self.started = start_step, started
         trainer, data = config.trainer, config.data
         self.trainer = trainer
@@ -297,11 +314,16 @@ class _Loop:
                 # Until the first step has run, a signal stops at once (olmo_eqx.run.signals): that step
                 # compiles, for minutes on a large model, and before it there is nothing new to save.
                 stop.nothing_to_save = True
+                running = None  # the outputs of the step last dispatched
+                self.ledger.phase("steps")
                 try:
                     for step in range(self.start_step + 1, self.end_step + 1):
                         profiler.before_step(step)
                         try:
-                            batch = next(batches)
+                            with self.ledger.bucket("data") as wait:
+                                batch = next(batches)
+                                if running is not None and goodput.still_running(running):
+                                    wait.charge("steps")  # the device was busy all along: no time lost
                         except Interrupted:  # a signal while a slow server held the batch: stop at the last step
                             interrupted, self.end_step = stop.signal, step - 1
                             break
@@ -310,6 +332,7 @@ class _Loop:
                             stop.nothing_to_save = False
                         else:
                             self.state, metrics = self.step(self.state, batch)
+                        running = metrics
                         profiler.after_step(step, metrics)
                         checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
                         if pending is not None:  # the previous step's metrics, one step late
@@ -325,12 +348,16 @@ class _Loop:
                         else:
                             pending = (step, metrics)
                         if evaluate_now:
-                            self.run_eval(step)
+                            with self.ledger.bucket("eval"):
+                                self.run_eval(step)
                         if downstream_now:
-                            self.downstream.run(step, self.state.model, self.write, self.out.print)
+                            with self.ledger.bucket("eval"):
+                                self.downstream.run(step, self.state.model, self.write, self.out.print)
                             self.throughput.pause()
                         if save_now:
                             self.save(step)
+                        self.ledger.step_done(step, point=log_now or save_now)
+                        self.ledger.heartbeat(force=save_now)
                         # Every process must stop at the same step: agree (a collective) at log steps.
                         if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
                             if any_process(bool(stop)):
@@ -340,19 +367,25 @@ class _Loop:
                         self.record(*pending, boundary=False)
                 finally:
                     profiler.stop()  # a run stopped inside the profiled range still leaves its trace
+                    self.ledger.phase("other")
             if self.start_step >= self.end_step and interrupted is None:
                 self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
                                f"{trainer.stop_at or trainer.steps}")
                 if self.eval_batches:
-                    self.run_eval(self.start_step)
+                    with self.ledger.bucket("eval"):
+                        self.run_eval(self.start_step)
             self.save(self.end_step)
-            checkpointer.wait_until_finished()
+            with self.ledger.bucket("checkpoint"):
+                checkpointer.wait_until_finished()
 
             end_step = self.end_step
             summary = self.summary(end_step, interrupted=interrupted)
             summary_path = self.out.write_summary(summary)
         ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
+        if summary.get("goodput") is not None:  # again, with the plot's seconds
+            summary["goodput"] = self.goodput_report()
+            self.out.write_summary(summary)
         took = f"{summary['wall_time_s']:.1f}s"
         if end_step == trainer.steps:
             status = f"done in {took}"
@@ -363,6 +396,8 @@ class _Loop:
             f"\n{status} | summary: {summary_path}{plot}"
             f"\n{json.dumps(summary, indent=2)}"
         )
+        if summary.get("goodput") is not None:
+            self.out.print(goodput.report_line(summary["goodput"]))
         return summary
 
     def banner(self, mesh: Mesh) -> None:
@@ -438,10 +473,11 @@ class _Loop:
 
     def save(self, step: int) -> None:
         if step != self.last_saved:
-            if not bool(all_finite(self.state)):
-                self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-            self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
-                                   health=self.health.saved_record())
+            with self.ledger.bucket("checkpoint"):  # the blocking part; Orbax writes on in the background
+                if not bool(all_finite(self.state)):
+                    self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
+                self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
+                                       health=self.health.saved_record())
             self.health.saved(step)
             self.last_saved = step
 
@@ -545,7 +581,17 @@ class _Loop:
             summary.update(self.downstream.summary())
         if diverged is not None:
             summary["diverged"] = diverged
+        # Where the run's wall time went, every session of this run dir (olmo_eqx.run.goodput).
+        summary["goodput"] = self.goodput_report()
         return summary
+
+    def goodput_report(self) -> Optional[dict]:
+        """The run's goodput report: this session as it stands, and the earlier ones' records."""
+        if not self.out.enabled:
+            return None
+        record = self.ledger.record()
+        earlier = [s for s in goodput.read_sessions(self.out.path) if s["session"] != record["session"]]
+        return goodput.report([*earlier, record])
 
     # What the session that trained up to a step measured; a rerun of a finished run (a sweep
     # resumed over its finished jobs, say) trains nothing and keeps them instead of nulls.
@@ -575,3 +621,5 @@ class _Loop:
         span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps"
         title = f"{self.config.model.name} | {self.out.path.name} | {span} of {self.trainer.steps}"
         loss_plot(records, self.out.file(PLOT_FILE), title=title)
+        goodput_plot(self.goodput_report(), self.out.file(goodput.PLOT_FILE),
+                     title=f"{self.config.model.name} | {self.out.path.name}")
