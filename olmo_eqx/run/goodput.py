@@ -34,14 +34,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from olmo_eqx.errors import RunError
+
 BUCKETS = ("startup", "restore", "compile", "steps", "data", "checkpoint", "eval", "other")
 # The report's buckets: the steps' time split into what counted and what was trained again.
 REPORT_BUCKETS = (*BUCKETS, "lost")
 GOODPUT_DIR = "goodput"
 PLOT_FILE = "goodput.png"
-# How often (seconds) a running session's record is rewritten between log steps: what a
-# `kill -9` leaves out of the wall time at most.
+# How often (seconds) a running session's record is rewritten besides saves and the end: what
+# a `kill -9` leaves out of the wall time at most. The environment may set another.
 HEARTBEAT_S = 2.0
+HEARTBEAT_ENV = "OLMO_EQX_GOODPUT_HEARTBEAT_S"
 # JAX's compile events (jax/_src/dispatch.py): tracing to a jaxpr, lowering it, XLA's compile.
 COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_trace_duration",
@@ -49,6 +52,25 @@ COMPILE_EVENTS = frozenset({
     "/jax/core/compile/backend_compile_duration",
 })
 _FORMAT = 1
+
+
+class GoodputError(RunError):
+    """A goodput setting from the environment is not usable."""
+
+
+def heartbeat_s() -> float:
+    """Seconds between a running session's heartbeats: `OLMO_EQX_GOODPUT_HEARTBEAT_S`, else `HEARTBEAT_S`."""
+    value = os.environ.get(HEARTBEAT_ENV, "")
+    if not value:
+        return HEARTBEAT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise GoodputError(f"{HEARTBEAT_ENV}={value!r} is not a number of seconds >= 0; unset it for "
+                           f"{HEARTBEAT_S:g} s, or set 0 to write the session's record at every step")
+    return seconds
 
 # The ledger of the session running in this context. A ContextVar, not a global: the thread
 # that compiles the first step (`olmo_eqx.run.signals.while_interruptible`) runs in a copy of
@@ -118,6 +140,7 @@ class Ledger:
         self.ended: Optional[str] = None
         self._writer: Optional["SessionFile"] = None
         self._written = -float("inf")
+        self.heartbeat_s = heartbeat_s()
 
     @classmethod
     def for_session(cls) -> "Ledger":
@@ -231,7 +254,7 @@ class Ledger:
         if self._writer is None:
             return
         now = self._clock()
-        if force or now - self._written >= HEARTBEAT_S:
+        if force or now - self._written >= self.heartbeat_s:
             self._written = now
             self._writer.write(self.record())
 
