@@ -71,6 +71,50 @@ def test_compile_spans_move_once_and_never_more_than_the_stretch():
     assert sum(ledger.totals().values()) == pytest.approx(ledger.wall_s())
 
 
+def test_a_wait_for_data_behind_a_running_step_costs_nothing():
+    import jax
+    import jax.numpy as jnp
+
+    chain = jax.jit(lambda x: jnp.sin(x @ x @ x @ x))
+    x = jnp.ones((1500, 1500))
+    done = chain(x).block_until_ready()
+    for in_flight, bucket in ((chain(x), "steps"), (done, "data"), (None, "data")):
+        ledger = Ledger()
+        with ledger.waiting_for_data(None if in_flight is None else {"loss": in_flight}):
+            pass
+        other = "data" if bucket == "steps" else "steps"
+        assert ledger.totals()[bucket] > 0 and ledger.totals()[other] == 0, (bucket, ledger.totals())
+
+
+def test_the_record_beats_on_its_own_and_stops_at_the_end(tmp_path, monkeypatch):
+    from olmo_eqx.run.run_dir import RunDir
+
+    monkeypatch.setenv(goodput.HEARTBEAT_ENV, "0.05")
+    ledger = Ledger()
+    ledger.write_to(RunDir(tmp_path), start_step=0)
+    path = tmp_path / "goodput" / "session-0001.json"
+    first = json.loads(path.read_text())["heartbeat"]
+    time.sleep(0.5)  # a long compile or evaluation: no call of the loop's
+    assert json.loads(path.read_text())["heartbeat"] > first + 0.2
+    ledger.end("finished")
+    final = path.read_text()
+    time.sleep(0.2)
+    assert path.read_text() == final and json.loads(final)["ended"] == "finished"
+    assert not list(tmp_path.glob("goodput/.*"))  # no partial file left behind
+    elsewhere = Ledger()  # a process other than 0 writes nothing
+    elsewhere.write_to(RunDir(tmp_path / "process1", enabled=False), start_step=0)
+    elsewhere.end("finished")
+    assert not (tmp_path / "process1").exists()
+
+
+def test_a_bad_heartbeat_setting_is_one_line(tmp_path):
+    result = olmo_eqx(*TINY, f"hydra.run.dir={tmp_path / 'run'}", env={goodput.HEARTBEAT_ENV: "soon"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == ("error: OLMO_EQX_GOODPUT_HEARTBEAT_S='soon' is not a number of seconds >= 0; "
+                                     "unset it for 2 s, or set 0 to write the session's record at every step")
+    assert not (tmp_path / "run").exists()
+
+
 def session(number, started, buckets, start_step, last_step, steps_at):
     wall = sum(buckets.values())
     return {"session": number, "started": started, "heartbeat": started + wall, "buckets": buckets,

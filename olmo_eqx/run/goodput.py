@@ -24,6 +24,7 @@ again by a later one (it resumed from an older checkpoint) move from `steps` to 
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import socket
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from olmo_eqx.errors import RunError
+from olmo_eqx.run.run_dir import RunDir
 
 BUCKETS = ("startup", "restore", "compile", "steps", "data", "checkpoint", "eval", "other")
 # The report's buckets: the steps' time split into what counted and what was trained again.
@@ -138,8 +140,11 @@ class Ledger:
         self.last_step: Optional[int] = None
         self._points: list[list] = []  # [step, cumulative steps seconds] at log steps and saves
         self.ended: Optional[str] = None
+        self.outcome = "stopped"
         self._writer: Optional["SessionFile"] = None
         self._written = -float("inf")
+        self._write_lock = threading.Lock()  # the beating thread's writes against the loop's
+        self._stopped = threading.Event()
         self.heartbeat_s = heartbeat_s()
 
     @classmethod
@@ -208,11 +213,24 @@ class Ledger:
 
     # -- steps, for the progress a later session trains again ----------------------------------
 
-    def step_done(self, step: int, *, point: bool = False) -> None:
-        """Step `step` is trained; `point`: keep the steps' seconds at it (log steps, saves)."""
+    def step_done(self, step: int, *, logged: bool = False, saved: bool = False) -> None:
+        """Step `step` is trained (and logged, or saved): at log steps and saves the steps'
+        seconds so far are kept, for the steps a later session may train again; a save's record
+        is written at once."""
         self.last_step = step
-        if point:
+        if logged or saved:
             self.point(step)
+        self.heartbeat(force=saved)
+
+    @contextlib.contextmanager
+    def waiting_for_data(self, in_flight: Any) -> Iterator[None]:
+        """A wait for the next batch: `data`, unless the step dispatched before it (its outputs
+        `in_flight`, None when fetched) was still running when the batch came. Then the device
+        was busy through the whole wait and nothing was lost: `steps`."""
+        with self.bucket("data") as wait:
+            yield
+            if in_flight is not None and still_running(in_flight):
+                wait.charge("steps")
 
     def point(self, step: int) -> None:
         steps_s = self.totals()["steps"]
@@ -245,33 +263,80 @@ class Ledger:
             "pid": os.getpid(),
         }
 
-    def write_to(self, writer: "SessionFile") -> None:
-        """From now on `heartbeat` and `end` rewrite the session's record through `writer`."""
-        self._writer = writer
+    def write_to(self, out: RunDir, start_step: int) -> None:
+        """The session resumed from `start_step` (0: a fresh start) writes its record into the
+        run dir `out` (process 0's; elsewhere nothing is written) from now on: at `heartbeat`,
+        `end`, and every `heartbeat_s` seconds from a thread of its own, so that a session
+        killed in a minutes-long compile, evaluation or save still counts up to then."""
+        self.start_step = start_step
+        if not out.enabled:
+            return
+        self._writer = SessionFile(out.path, out.replace_text)
         self.heartbeat(force=True)
+        if self.heartbeat_s > 0:
+            threading.Thread(target=self._beat, name="olmo-eqx-goodput", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.heartbeat_s):
+            try:
+                self.heartbeat()
+            except Exception:  # noqa: BLE001  (a full disk: the loop's own writes say so, once)
+                return
 
     def heartbeat(self, force: bool = False) -> None:
+        """Rewrite the session's record, if `heartbeat_s` has passed since the last time (or `force`)."""
         if self._writer is None:
             return
-        now = self._clock()
-        if force or now - self._written >= self.heartbeat_s:
-            self._written = now
-            self._writer.write(self.record())
+        with self._write_lock:
+            now = self._clock()
+            if self.ended is None and (force or now - self._written >= self.heartbeat_s):
+                self._written = now
+                self._writer.write(self.record())
+
+    def finish(self, summary: dict) -> dict:
+        """The session's summary, noted for its last record: finished or stopped."""
+        self.outcome = "finished" if summary.get("stage_completed") else "stopped"
+        return summary
 
     def end(self, how: str) -> None:
         """The session ends ("finished", "stopped", "failed: ..."): its last record."""
-        self.ended = how
-        self.heartbeat(force=True)
+        self._stopped.set()
+        if self._writer is None:
+            return
+        with self._write_lock:
+            self.ended = how
+            self._writer.write(self.record())
 
     @contextlib.contextmanager
     def active(self) -> Iterator["Ledger"]:
-        """This ledger is the session's (module-level `bucket`, JAX's compile events) while open."""
+        """The session, while open: this ledger is the one of module-level `bucket` and of JAX's
+        compile events; at its end the last record says how it ended (`finish`, or the error)."""
         _listen_to_compiles()
         token = _ACTIVE.set(self)
         try:
             yield self
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                self.end(f"failed: {type(e).__name__}")
+            raise
+        else:
+            self.end(self.outcome)
         finally:
             _ACTIVE.reset(token)
+
+
+def counted(name: str) -> Callable:
+    """A method's calls count to bucket `name` of its object's `ledger`."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def counted_method(self, *args: Any, **kwargs: Any) -> Any:
+            with self.ledger.bucket(name):
+                return method(self, *args, **kwargs)
+
+        return counted_method
+
+    return decorate
 
 
 def bucket(name: str):
@@ -416,6 +481,12 @@ def report(sessions: list[dict]) -> dict:
         "down_between_sessions_s": down,
         "per_session": per_session,
     }
+
+
+def run_report(run_dir: Path, ledger: Ledger) -> dict:
+    """The report of the run dir's sessions, this one (`ledger`) as it stands now."""
+    record = ledger.record()
+    return report([*(s for s in read_sessions(run_dir) if s["session"] != record["session"]), record])
 
 
 def report_line(goodput: dict) -> str:

@@ -56,7 +56,6 @@ from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
-from olmo_eqx.run.goodput import Ledger, SessionFile
 from olmo_eqx.run.plots import goodput_plot, loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
@@ -110,23 +109,15 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
     passes one that loads earlier weights); a resume always wins over it.
     notes: lines a stage wants at the top of this session's log (printed and kept in train.log).
     """
-    # Where this session's wall time goes (olmo_eqx.run.goodput), from the process's start.
-    ledger = Ledger.for_session()
+    ledger = goodput.Ledger.for_session()  # where the session's wall time goes, from the process's start
     with ledger.active():
         start_cluster()
         # A failure in one process stops every process within seconds, with its message.
         with FailureWatch():
-            try:
-                summary = _train(config, run_dir, init_state, notes, ledger)
-            except BaseException as e:
-                with contextlib.suppress(Exception):  # the error in flight is the one to report
-                    ledger.end(f"failed: {type(e).__name__}")
-                raise
-        ledger.end("finished" if summary.get("stage_completed") else "stopped")
-        return summary
+            return ledger.finish(_train(config, run_dir, init_state, notes, ledger))
 
 
-def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...], ledger: Ledger) -> dict:
+def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...], ledger: goodput.Ledger) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     main_process = jax.process_index() == 0
@@ -194,11 +185,9 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             config_dict = {**config_to_dict(config), "session": choice.record()}
             out = RunDir(run_dir, enabled=main_process, log_name=LOG_FILE, loggers=config.trainer.loggers,
                          sink_config=config_dict)
-            ledger.start_step = start_step
             try:
                 out.write_config(config_dict)
-                if main_process:  # the session's record, rewritten as it goes
-                    ledger.write_to(SessionFile(run_dir, out.replace_text))
+                ledger.write_to(out, start_step)  # the session's record, rewritten as it goes (process 0)
                 if main_process:
                     size_cache.save(remote_sizes(dataset, heldout))
                 recorded = last_recorded_step(out.file(METRICS_FILE)) if main_process else None
@@ -234,12 +223,10 @@ class _Loop:
     """The loop proper, from `start_step` to `trainer.stop_at or trainer.steps`: the state it
     carries between steps lives on this object, each piece of host-side work is one method."""
 
-    def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule,
-                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None,
-                 ledger: Optional[Ledger] = None):
+    def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule, ledger,
+                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
-        self.ledger = ledger if ledger is not None else Ledger()
-        self.start_step, self.started = start_step, started
+        self.start_step, self.started, self.ledger = start_step, started, ledger  # ledger: olmo_eqx.run.goodput
         trainer, data = config.trainer, config.data
         self.trainer = trainer
         self.sharding = batch_sharding(mesh, rules)
@@ -314,16 +301,13 @@ class _Loop:
                 # Until the first step has run, a signal stops at once (olmo_eqx.run.signals): that step
                 # compiles, for minutes on a large model, and before it there is nothing new to save.
                 stop.nothing_to_save = True
-                running = None  # the outputs of the step last dispatched
                 self.ledger.phase("steps")
                 try:
                     for step in range(self.start_step + 1, self.end_step + 1):
                         profiler.before_step(step)
                         try:
-                            with self.ledger.bucket("data") as wait:
+                            with self.ledger.waiting_for_data(pending and pending[1]):  # the step in flight
                                 batch = next(batches)
-                                if running is not None and goodput.still_running(running):
-                                    wait.charge("steps")  # the device was busy all along: no time lost
                         except Interrupted:  # a signal while a slow server held the batch: stop at the last step
                             interrupted, self.end_step = stop.signal, step - 1
                             break
@@ -332,7 +316,6 @@ class _Loop:
                             stop.nothing_to_save = False
                         else:
                             self.state, metrics = self.step(self.state, batch)
-                        running = metrics
                         profiler.after_step(step, metrics)
                         checkpointer.check_for_errors()  # a failed save stops the run now, not at the end
                         if pending is not None:  # the previous step's metrics, one step late
@@ -348,16 +331,14 @@ class _Loop:
                         else:
                             pending = (step, metrics)
                         if evaluate_now:
-                            with self.ledger.bucket("eval"):
-                                self.run_eval(step)
+                            self.run_eval(step)
                         if downstream_now:
                             with self.ledger.bucket("eval"):
                                 self.downstream.run(step, self.state.model, self.write, self.out.print)
                             self.throughput.pause()
                         if save_now:
                             self.save(step)
-                        self.ledger.step_done(step, point=log_now or save_now)
-                        self.ledger.heartbeat(force=save_now)
+                        self.ledger.step_done(step, logged=log_now, saved=save_now)
                         # Every process must stop at the same step: agree (a collective) at log steps.
                         if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
                             if any_process(bool(stop)):
@@ -372,8 +353,7 @@ class _Loop:
                 self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
                                f"{trainer.stop_at or trainer.steps}")
                 if self.eval_batches:
-                    with self.ledger.bucket("eval"):
-                        self.run_eval(self.start_step)
+                    self.run_eval(self.start_step)
             self.save(self.end_step)
             with self.ledger.bucket("checkpoint"):
                 checkpointer.wait_until_finished()
@@ -383,8 +363,8 @@ class _Loop:
             summary_path = self.out.write_summary(summary)
         ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
-        if summary.get("goodput") is not None:  # again, with the plot's seconds
-            summary["goodput"] = self.goodput_report()
+        if summary["goodput"] is not None:  # again, with the plot's seconds
+            summary["goodput"] = goodput.run_report(self.out.path, self.ledger)
             self.out.write_summary(summary)
         took = f"{summary['wall_time_s']:.1f}s"
         if end_step == trainer.steps:
@@ -394,10 +374,8 @@ class _Loop:
         plot = f" | plot: {self.out.file(PLOT_FILE)}" if self.trainer.plot else ""
         self.out.print(
             f"\n{status} | summary: {summary_path}{plot}"
-            f"\n{json.dumps(summary, indent=2)}"
+            f"\n{json.dumps(summary, indent=2)}" + (f"\n{goodput.report_line(summary['goodput'])}" if summary["goodput"] else "")
         )
-        if summary.get("goodput") is not None:
-            self.out.print(goodput.report_line(summary["goodput"]))
         return summary
 
     def banner(self, mesh: Mesh) -> None:
@@ -471,13 +449,13 @@ class _Loop:
         self.plot()
         raise TrainingDiverged(message)
 
+    @goodput.counted("checkpoint")  # the blocking part; Orbax writes on in the background
     def save(self, step: int) -> None:
         if step != self.last_saved:
-            with self.ledger.bucket("checkpoint"):  # the blocking part; Orbax writes on in the background
-                if not bool(all_finite(self.state)):
-                    self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-                self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
-                                       health=self.health.saved_record())
+            if not bool(all_finite(self.state)):
+                self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
+            self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
+                                   health=self.health.saved_record())
             self.health.saved(step)
             self.last_saved = step
 
@@ -515,6 +493,7 @@ class _Loop:
         self.health.observe(step, values["loss"], values["grad_norm"], bool(values["skipped"]))
         self.checkpointer.protect(self.health.last_good)
 
+    @goodput.counted("eval")
     def run_eval(self, step: int) -> None:
         """Held-out loss per set; `heldout_loss` is their token-weighted mean."""
         results = evaluate(self.eval_step, self.state.model, self.eval_batches)
@@ -581,17 +560,8 @@ class _Loop:
             summary.update(self.downstream.summary())
         if diverged is not None:
             summary["diverged"] = diverged
-        # Where the run's wall time went, every session of this run dir (olmo_eqx.run.goodput).
-        summary["goodput"] = self.goodput_report()
+        summary["goodput"] = goodput.run_report(self.out.path, self.ledger) if self.out.enabled else None
         return summary
-
-    def goodput_report(self) -> Optional[dict]:
-        """The run's goodput report: this session as it stands, and the earlier ones' records."""
-        if not self.out.enabled:
-            return None
-        record = self.ledger.record()
-        earlier = [s for s in goodput.read_sessions(self.out.path) if s["session"] != record["session"]]
-        return goodput.report([*earlier, record])
 
     # What the session that trained up to a step measured; a rerun of a finished run (a sweep
     # resumed over its finished jobs, say) trains nothing and keeps them instead of nulls.
@@ -621,5 +591,4 @@ class _Loop:
         span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps"
         title = f"{self.config.model.name} | {self.out.path.name} | {span} of {self.trainer.steps}"
         loss_plot(records, self.out.file(PLOT_FILE), title=title)
-        goodput_plot(self.goodput_report(), self.out.file(goodput.PLOT_FILE),
-                     title=f"{self.config.model.name} | {self.out.path.name}")
+        goodput_plot(goodput.run_report(self.out.path, self.ledger), self.out.file(goodput.PLOT_FILE), title=title)
