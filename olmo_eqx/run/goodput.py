@@ -299,7 +299,7 @@ class Ledger:
         return summary
 
     def end(self, how: str) -> None:
-        """The session ends ("finished", "stopped", "failed: ..."): its last record."""
+        """The session ends ("finished", "stopped", "interrupted", "failed: <error>"): its last record."""
         self._stopped.set()
         if self._writer is None:
             return
@@ -317,7 +317,7 @@ class Ledger:
             yield self
         except BaseException as e:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
-                self.end(f"failed: {type(e).__name__}")
+                self.end("interrupted" if isinstance(e, (SystemExit, KeyboardInterrupt)) else f"failed: {type(e).__name__}")
             raise
         else:
             self.end(self.outcome)
