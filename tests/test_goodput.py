@@ -115,6 +115,21 @@ def test_a_bad_heartbeat_setting_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_long_sessions_record_keeps_few_points_and_the_newest_whole():
+    clock = FakeClock()
+    ledger = Ledger(clock=clock)
+    ledger.phase("steps")
+    for step in range(1, 20_001):
+        clock.tick(0.5)
+        ledger.step_done(step, logged=step % 10 == 0)
+    points = ledger.record()["steps_at"]
+    assert len(points) <= goodput.MAX_POINTS + 1 and points[-1] == [20_000, 10_000.0]
+    newest = [s for s, _ in points[-goodput.MAX_POINTS // 2:]]
+    assert newest == list(range(20_000 - 10 * (len(newest) - 1), 20_001, 10))
+    assert all(t == pytest.approx(s / 2) for s, t in points)  # every kept point exact
+    assert goodput._steps_s_at(points, 12_345) == pytest.approx(12_345 / 2)
+
+
 def session(number, started, buckets, start_step, last_step, steps_at):
     wall = sum(buckets.values())
     return {"session": number, "started": started, "heartbeat": started + wall, "buckets": buckets,

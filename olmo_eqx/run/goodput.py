@@ -54,6 +54,8 @@ COMPILE_EVENTS = frozenset({
     "/jax/core/compile/backend_compile_duration",
 })
 _FORMAT = 1
+# The most [step, steps seconds] points a session's record keeps (`Ledger.point`).
+MAX_POINTS = 512
 
 
 class GoodputError(RunError):
@@ -236,8 +238,13 @@ class Ledger:
         steps_s = self.totals()["steps"]
         if self._points and self._points[-1][0] == step:
             self._points[-1][1] = steps_s
-        else:
-            self._points.append([step, steps_s])
+            return
+        self._points.append([step, steps_s])
+        if len(self._points) > MAX_POINTS:
+            # A long session's record stays small: the newer half kept whole (what a restart resumes
+            # from), every other older point dropped (steps take about as long as their neighbours).
+            half = MAX_POINTS // 2
+            self._points[:-half] = self._points[:-half][::2]
 
     # -- the session's record ------------------------------------------------------------------
 
