@@ -15,9 +15,9 @@ construction. JAX's own compile events (`jax.monitoring`: tracing, lowering, XLA
 its persistent-cache read) move their seconds from the bucket they happened in to `compile`,
 wherever they happen (the first step, the first evaluation, a helper jit in a save).
 
-Process 0 rewrites its session's record (`goodput/session-<n>.json` in the run dir)
-atomically at log steps, saves, every `HEARTBEAT_S` seconds and at the end, so a session killed
-with `kill -9` still counts up to its last heartbeat. `report` reads them all: the wall time
+Process 0 rewrites its session's record (`goodput/session-<n>.json` in the run dir) whole at
+saves, every `HEARTBEAT_S` seconds (from a thread of its own) and at the end, so a session
+killed with `kill -9` still counts up to its last heartbeat. `report` reads them all: the wall time
 is the sum of the sessions' (last heartbeat - start); steps trained in one session and trained
 again by a later one (it resumed from an older checkpoint) move from `steps` to `lost`.
 """
@@ -76,12 +76,16 @@ def heartbeat_s() -> float:
                            f"{HEARTBEAT_S:g} s, or set 0 to write the session's record at every step")
     return seconds
 
+
 # The ledger of the session running in this context. A ContextVar, not a global: the thread
 # that compiles the first step (`olmo_eqx.run.signals.while_interruptible`) runs in a copy of
 # the session's context and counts; threads of their own (the data prefetcher, Orbax's save
 # threads) overlap the session's time and do not.
 _ACTIVE: contextvars.ContextVar[Optional["Ledger"]] = contextvars.ContextVar("olmo_eqx_goodput", default=None)
 _listening = False
+# Whether a session of this process already began at the process's start (a second one, in the
+# same process, begins when it is asked for).
+_process_start_taken = False
 
 
 def process_age_s() -> Optional[float]:
@@ -152,10 +156,13 @@ class Ledger:
     @classmethod
     def for_session(cls) -> "Ledger":
         """A ledger from the process's start when this process is `python -m olmo_eqx` (imports,
-        Hydra and everything before `train` count as start-up), else from now."""
-        age = process_age_s() if started_for_this_run() else None
+        Hydra and everything before `train` count as start-up) and this is its first session,
+        else from now."""
+        global _process_start_taken
+        age = process_age_s() if started_for_this_run() and not _process_start_taken else None
         if age is None:
             return cls()
+        _process_start_taken = True
         return cls(started_ago=age, origin="process start")
 
     @staticmethod
