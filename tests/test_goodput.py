@@ -111,7 +111,7 @@ def test_a_bad_heartbeat_setting_is_one_line(tmp_path):
     result = olmo_eqx(*TINY, f"hydra.run.dir={tmp_path / 'run'}", env={goodput.HEARTBEAT_ENV: "soon"})
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip() == ("error: OLMO_EQX_GOODPUT_HEARTBEAT_S='soon' is not a number of seconds >= 0; "
-                                     "unset it for 2 s, or set 0 to write the session's record at every step")
+                                     "unset it for 1 s, or set 0 to write the session's record at every step")
     assert not (tmp_path / "run").exists()
 
 

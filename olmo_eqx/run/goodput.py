@@ -45,7 +45,7 @@ GOODPUT_DIR = "goodput"
 PLOT_FILE = "goodput.png"
 # How often (seconds) a running session's record is rewritten besides saves and the end: what
 # a `kill -9` leaves out of the wall time at most. The environment may set another.
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 1.0
 HEARTBEAT_ENV = "OLMO_EQX_GOODPUT_HEARTBEAT_S"
 # JAX's compile events (jax/_src/dispatch.py): tracing to a jaxpr, lowering it, XLA's compile.
 COMPILE_EVENTS = frozenset({
@@ -498,8 +498,10 @@ def report(sessions: list[dict]) -> dict:
 
 
 def run_report(run_dir: Path, ledger: Ledger) -> dict:
-    """The report of the run dir's sessions, this one (`ledger`) as it stands now."""
+    """The report of the run dir's sessions, this one (`ledger`) as it stands now (`ended`:
+    "running")."""
     record = ledger.record()
+    record["ended"] = record["ended"] or "running"
     return report([*(s for s in read_sessions(run_dir) if s["session"] != record["session"]), record])
 
 
