@@ -145,3 +145,48 @@ def run_command(
             child.join()
             raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
         return subprocess.CompletedProcess(command, child.exitcode, out.read_text(), err.read_text())
+
+
+class StartedCommand:
+    """A `python -m olmo_eqx` running in the background (`start_command`)."""
+
+    def __init__(self, process, stdout: Path, stderr: Path, scratch: tempfile.TemporaryDirectory):
+        self.process, self._stdout, self._stderr, self._scratch = process, stdout, stderr, scratch
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its end (killed after `timeout` seconds, then TimeoutExpired), like `run_command`'s result."""
+        self.process.join(timeout)
+        try:
+            if self.process.exitcode is None:
+                self.process.kill()
+                self.process.join()
+                raise subprocess.TimeoutExpired("olmo_eqx", timeout, self._stdout.read_text(), self._stderr.read_text())
+            return subprocess.CompletedProcess("olmo_eqx", self.process.exitcode, self._stdout.read_text(),
+                                               self._stderr.read_text())
+        finally:
+            self._scratch.cleanup()
+
+
+def start_command(args: list, env: dict, cwd: Optional[Path] = None) -> StartedCommand:
+    """`run_command` without waiting: forked from the server (the environment must allow it), for
+    a test that signals or kills the command while it runs (its `pid`), then `wait`s for it."""
+    child_env = _with_huge_pages(env)
+    if not _forkable(child_env, _start_server()):
+        raise ValueError("this environment cannot be forked from the command server: start the command cold")
+    scratch = tempfile.TemporaryDirectory(prefix="olmo_eqx-command-")
+    out, err = Path(scratch.name) / "stdout", Path(scratch.name) / "stderr"
+    out.touch()
+    err.touch()
+    child = _server.Process(target=_child, args=(args, child_env, None if cwd is None else str(cwd), str(out), str(err)))
+    child.start()
+    return StartedCommand(child, out, err, scratch)
+
+
+def start_server(env: dict) -> bool:
+    """Start the command server now (it imports for a second or more), so that a test timing its
+    commands times the commands alone; False when `env` would be started cold anyway."""
+    return _forkable(_with_huge_pages(env), _start_server())

@@ -288,7 +288,14 @@ def test_two_processes_train_like_one(uninterrupted, tmp_path, launcher):
     for step in range(1, 5):  # 8 devices vs 2 x 2: equal up to float32 reduction order
         assert distributed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-5)
     assert checkpoint_steps(tmp_path) == [4]
+    # Process 0 alone keeps the session's goodput record (olmo_eqx.run.goodput), its parts adding up.
+    (record_file,) = (tmp_path / "goodput").glob("session-*.json")
+    session = json.loads(record_file.read_text())
+    assert session["ended"] == "stopped" and session["last_step"] == 4 and session["buckets"]["steps"] > 0
+    assert sum(session["buckets"].values()) == pytest.approx(session["wall_s"], rel=1e-9)
+    assert json.loads((tmp_path / "summary.json").read_text())["goodput"]["sessions"] == 1
     if launcher == "jax":
+        assert session["buckets"]["eval"] > 0  # the downstream tasks
         (record,) = [json.loads(line) for line in lines if '"downstream"' in line]
         assert record["step"] == 4 and "downstream, 3 tasks" in outputs[0] and "downstream" not in outputs[1]
         # The same scores as one process (8 devices) gives the saved step-4 weights.

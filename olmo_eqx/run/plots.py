@@ -1,6 +1,6 @@
-"""The pictures a run leaves: `loss.png` of a training stage and `sweep.png` of a sweep.
+"""The pictures a run leaves: `loss.png` and `goodput.png` of a training stage and `sweep.png` of a sweep.
 
-Both read plain records (those of metrics.jsonl, summary.json), so they can be redrawn from a
+All read plain records (those of metrics.jsonl, summary.json), so they can be redrawn from a
 finished run dir: `python -c "from olmo_eqx.run.plots import *; loss_plot(read_metrics('RUN/metrics.jsonl'), 'RUN/loss.png')"`.
 """
 
@@ -145,4 +145,37 @@ def sweep_plot(jobs: list[dict], path: Path, title: str = "") -> Optional[Path]:
     left.set_ylabel("loss (nats per target token)")
     left.legend(fontsize=8)
     figure.suptitle(title or "sweep", fontsize=10)
+    return _save(figure, path)
+
+
+# The goodput figure's colours: the steps that counted green, the lost ones red, the rest apart.
+_BUCKET_COLOURS = {
+    "steps": "tab:green", "lost": "tab:red", "compile": "tab:purple", "startup": "tab:gray",
+    "restore": "tab:brown", "data": "tab:orange", "checkpoint": "tab:blue", "eval": "tab:cyan", "other": "tab:olive",
+}
+
+
+def goodput_plot(goodput: Optional[dict], path: Path, title: str = "") -> Optional[Path]:
+    """One stacked bar per session of the run's goodput report (`olmo_eqx.run.goodput.report`):
+    its seconds per bucket, the steps trained again by a later session in red. None when there
+    is nothing to draw."""
+    sessions = (goodput or {}).get("per_session") or []
+    if not sessions:
+        return None
+    figure = _figure(figsize=(max(5.0, 1.0 + 0.6 * len(sessions)), 4.5))
+    axis = figure.subplots()
+    xs = list(range(len(sessions)))
+    bottoms = [0.0] * len(sessions)
+    for name, colour in _BUCKET_COLOURS.items():
+        heights = [float(s["buckets"].get(name, 0.0)) for s in sessions]
+        if any(h > 0 for h in heights):
+            axis.bar(xs, heights, bottom=bottoms, color=colour, width=0.7, label=name)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axis.set_xticks(xs, [str(s["session"]) for s in sessions])
+    axis.set_xlabel("session")
+    axis.set_ylabel("seconds")
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axis.grid(alpha=0.3, axis="y")
+    share = "n/a" if goodput["goodput"] is None else f"{100 * goodput['goodput']:.1f}%"
+    axis.set_title(f"{title + ' | ' if title else ''}goodput {share} of {goodput['wall_s']:.1f} s", fontsize=10)
     return _save(figure, path)

@@ -19,6 +19,7 @@ is written to that file and `close` stays quiet about it, so the error is said o
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -133,6 +134,22 @@ class RunDir:
         if self.enabled and not self._failed:
             self._ensure()
             self._writing(path, lambda: path.write_text(hide_secrets(text)))
+        return path
+
+    def replace_text(self, name: str, text: str) -> Path:
+        """Write `name` (subdirectories made as needed) whole or not at all: a kill mid-write
+        leaves the previous version (a temporary file renamed over it)."""
+        path = self.path / name
+        if self.enabled and not self._failed:
+            self._ensure()
+
+            def replace():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f".{path.name}.partial")
+                partial.write_text(hide_secrets(text))
+                os.replace(partial, path)
+
+            self._writing(path, replace)
         return path
 
     def write_config(self, config: Any) -> Path:

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from olmo_eqx.run import huge_pages
+from olmo_eqx.run import goodput, huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import Checkpointer
 from olmo_eqx.checkpoint.remote import STAGED_RECORD
@@ -57,7 +57,7 @@ from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.quantization import check_available as check_quantization
 from olmo_eqx.models.registry import count_params
-from olmo_eqx.run.plots import loss_plot, read_metrics
+from olmo_eqx.run.plots import goodput_plot, loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
 from olmo_eqx.run.secrets import hide_secrets
@@ -110,13 +110,15 @@ def train(config: Config, run_dir: Path, init_state: InitState = random_init, no
     passes one that loads earlier weights); a resume always wins over it.
     notes: lines a stage wants at the top of this session's log (printed and kept in train.log).
     """
-    start_cluster()
-    # A failure in one process stops every process within seconds, with its message.
-    with FailureWatch():
-        return _train(config, run_dir, init_state, notes)
+    ledger = goodput.Ledger.for_session()  # where the session's wall time goes, from the process's start
+    with ledger.active():
+        start_cluster()
+        # A failure in one process stops every process within seconds, with its message.
+        with FailureWatch():
+            return ledger.finish(_train(config, run_dir, init_state, notes, ledger))
 
 
-def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...]) -> dict:
+def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[str, ...], ledger: goodput.Ledger) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir).resolve()
     main_process = jax.process_index() == 0
@@ -176,7 +178,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             previous = previous_session(stored_config)
             trains = start_step < (config.trainer.stop_at or config.trainer.steps)
             # trainer.micro_batches=auto compiles the step here: a signal stops at once (nothing to save yet).
-            with stop_on_signals(say or (lambda line: None)) as stop:
+            with stop_on_signals(say or (lambda line: None)) as stop, ledger.bucket("compile"):
                 stop.nothing_to_save = True
                 choice = while_interruptible(lambda: choose_micro_batches(
                     config, state, mesh, rules, schedule, dataset, progress=say, previous=previous, trains=trains))
@@ -187,6 +189,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                          sink_config=config_dict)
             try:
                 out.write_config(config_dict)
+                ledger.write_to(out, start_step)  # the session's record, rewritten as it goes (process 0)
                 if main_process:
                     size_cache.save(remote_sizes(dataset, heldout))
                 recorded = last_recorded_step(out.file(METRICS_FILE)) if main_process else None
@@ -198,7 +201,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
                              mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started,
-                             health=health, downstream=downstream, choice=choice)
+                             health=health, downstream=downstream, choice=choice, ledger=ledger)
                 loop.banner(mesh)
                 summary = loop.run()
             except DataFileError as e:  # token ids out of range, found as the batch is read
@@ -209,7 +212,8 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 checkpointer.close()
             raise
-        checkpointer.close()  # waits for saves in flight
+        with ledger.bucket("checkpoint"):
+            checkpointer.close()  # waits for saves in flight
         return summary
 
 
@@ -221,10 +225,10 @@ class _Loop:
     """The loop proper, from `start_step` to `trainer.stop_at or trainer.steps`: the state it
     carries between steps lives on this object, each piece of host-side work is one method."""
 
-    def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule,
+    def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule, ledger,
                  checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
-        self.start_step, self.started = start_step, started
+        self.start_step, self.started, self.ledger = start_step, started, ledger  # ledger: olmo_eqx.run.goodput
         trainer, data = config.trainer, config.data
         self.trainer = trainer
         self.sharding = batch_sharding(mesh, rules)
@@ -299,11 +303,13 @@ class _Loop:
                 # Until the first step has run, a signal stops at once (olmo_eqx.run.signals): that step
                 # compiles, for minutes on a large model, and before it there is nothing new to save.
                 stop.nothing_to_save = True
+                self.ledger.phase("steps")
                 try:
                     for step in range(self.start_step + 1, self.end_step + 1):
                         profiler.before_step(step)
                         try:
-                            batch = next(batches)
+                            with self.ledger.waiting_for_data(pending and pending[1]):  # the step in flight
+                                batch = next(batches)
                         except Interrupted:  # a signal while a slow server held the batch: stop at the last step
                             interrupted, self.end_step = stop.signal, step - 1
                             break
@@ -329,10 +335,12 @@ class _Loop:
                         if evaluate_now:
                             self.run_eval(step)
                         if downstream_now:
-                            self.downstream.run(step, self.state.model, self.write, self.out.print)
+                            with self.ledger.bucket("eval"):
+                                self.downstream.run(step, self.state.model, self.write, self.out.print)
                             self.throughput.pause()
                         if save_now:
                             self.save(step)
+                        self.ledger.step_done(step, logged=log_now, saved=save_now)
                         # Every process must stop at the same step: agree (a collective) at log steps.
                         if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
                             if any_process(bool(stop)):
@@ -342,19 +350,24 @@ class _Loop:
                         self.record(*pending, boundary=False)
                 finally:
                     profiler.stop()  # a run stopped inside the profiled range still leaves its trace
+                    self.ledger.phase("other")
             if self.start_step >= self.end_step and interrupted is None:
                 self.out.print(f"Nothing to train: the checkpoint is at step {self.start_step}, the run ends at "
                                f"{trainer.stop_at or trainer.steps}")
                 if self.eval_batches:
                     self.run_eval(self.start_step)
             self.save(self.end_step)
-            checkpointer.wait_until_finished()
+            with self.ledger.bucket("checkpoint"):
+                checkpointer.wait_until_finished()
 
             end_step = self.end_step
             summary = self.summary(end_step, interrupted=interrupted)
             summary_path = self.out.write_summary(summary)
         ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
+        if summary["goodput"] is not None:  # again, with the plot's seconds
+            summary["goodput"] = goodput.run_report(self.out.path, self.ledger)
+            self.out.write_summary(summary)
         took = f"{summary['wall_time_s']:.1f}s"
         if end_step == trainer.steps:
             status = f"done in {took}"
@@ -363,7 +376,7 @@ class _Loop:
         plot = f" | plot: {self.out.file(PLOT_FILE)}" if self.trainer.plot else ""
         self.out.print(
             f"\n{status} | summary: {summary_path}{plot}"
-            f"\n{json.dumps(summary, indent=2)}"
+            f"\n{json.dumps(summary, indent=2)}" + (f"\n{goodput.report_line(summary['goodput'])}" if summary["goodput"] else "")
         )
         return summary
 
@@ -438,6 +451,7 @@ class _Loop:
         self.plot()
         raise TrainingDiverged(message)
 
+    @goodput.counted("checkpoint")  # the blocking part; Orbax writes on in the background
     def save(self, step: int) -> None:
         if step != self.last_saved:
             if not bool(all_finite(self.state)):
@@ -481,6 +495,7 @@ class _Loop:
         self.health.observe(step, values["loss"], values["grad_norm"], bool(values["skipped"]))
         self.checkpointer.protect(self.health.last_good)
 
+    @goodput.counted("eval")
     def run_eval(self, step: int) -> None:
         """Held-out loss per set; `heldout_loss` is their token-weighted mean."""
         results = evaluate(self.eval_step, self.state.model, self.eval_batches)
@@ -547,6 +562,7 @@ class _Loop:
             summary.update(self.downstream.summary())
         if diverged is not None:
             summary["diverged"] = diverged
+        summary["goodput"] = goodput.run_report(self.out.path, self.ledger) if self.out.enabled else None
         return summary
 
     # What the session that trained up to a step measured; a rerun of a finished run (a sweep
@@ -577,3 +593,4 @@ class _Loop:
         span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps"
         title = f"{self.config.model.name} | {self.out.path.name} | {span} of {self.trainer.steps}"
         loss_plot(records, self.out.file(PLOT_FILE), title=title)
+        goodput_plot(goodput.run_report(self.out.path, self.ledger), self.out.file(goodput.PLOT_FILE), title=title)

@@ -19,6 +19,7 @@ from olmo_eqx.data.loader import DataLoader
 from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import TrainError
+from olmo_eqx.run import goodput
 from olmo_eqx.run.lock import RunLock, RunLockedError
 from olmo_eqx.run.run_dir import CONFIG_FILE
 from olmo_eqx.sharding import ShardingRules
@@ -75,7 +76,8 @@ def _restore_or_init(
         unusable = []
         for step in reversed(steps):
             try:
-                restored = checkpointer.restore(step, target=target)
+                with goodput.bucket("restore"):
+                    restored = checkpointer.restore(step, target=target)
             except CheckpointMismatchError as e:
                 raise TrainError(f"cannot resume: {e}") from e
             except CheckpointCorruptError as e:
