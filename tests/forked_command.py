@@ -171,16 +171,42 @@ class StartedCommand:
             self._scratch.cleanup()
 
 
+class _ColdProcess:
+    """A cold `python -m olmo_eqx` (subprocess.Popen) with the calls `StartedCommand` makes of a
+    forked one (multiprocessing.Process): pid, join, exitcode, kill."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.popen.poll()  # -N when killed by signal N, as multiprocessing says it
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
 def start_command(args: list, env: dict, cwd: Optional[Path] = None) -> StartedCommand:
-    """`run_command` without waiting: forked from the server (the environment must allow it), for
-    a test that signals or kills the command while it runs (its `pid`), then `wait`s for it."""
+    """`run_command` without waiting, for a test that signals or kills the command while it runs
+    (its `pid`), then `wait`s for it: forked from the server, or started cold when `env` cannot
+    be forked (as `run_command` does)."""
     child_env = _with_huge_pages(env)
-    if not _forkable(child_env, _start_server()):
-        raise ValueError("this environment cannot be forked from the command server: start the command cold")
     scratch = tempfile.TemporaryDirectory(prefix="olmo_eqx-command-")
     out, err = Path(scratch.name) / "stdout", Path(scratch.name) / "stderr"
     out.touch()
     err.touch()
+    if os.environ.get("OLMO_EQX_TEST_FORK") == "0" or not _forkable(child_env, _start_server()):
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            popen = subprocess.Popen([sys.executable, "-m", "olmo_eqx", *args], env=env, cwd=cwd, stdout=stdout,
+                                     stderr=stderr, text=True)
+        return StartedCommand(_ColdProcess(popen), out, err, scratch)
     child = _server.Process(target=_child, args=(args, child_env, None if cwd is None else str(cwd), str(out), str(err)))
     child.start()
     return StartedCommand(child, out, err, scratch)
