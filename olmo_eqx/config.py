@@ -78,10 +78,25 @@ class CheckpointConfig:
     # Settings a resume may change from the checkpoint's (`resume_changes`), each by its key,
     # e.g. [optim.lr,trainer.steps]; any other change is printed and refused.
     accept_changes: tuple[str, ...] = ()
+    # The local tier (`olmo_eqx.checkpoint.local_tier`): each process saves its own shards every
+    # this many steps (0: no local tier) to `local_dir`, keeping the newest `local_keep`. A run
+    # resumes from the newest complete step of either tier. local_dir: auto (a RAM disk,
+    # /dev/shm, when one has room), off, or an absolute node-local path.
+    local_dir: Optional[str] = "auto"
+    local_every: int = 0
+    local_keep: int = 2
 
     def __post_init__(self):
         if self.every < 0 or self.keep_last < 1:
             raise ValueError("every must be >= 0 and keep_last >= 1")
+        if self.local_every < 0 or self.local_keep < 1:
+            raise ValueError(f"local_every={self.local_every} must be >= 0 (0: no local tier) and "
+                             f"local_keep={self.local_keep} >= 1")
+        local = self.local_dir
+        if local is not None and local.strip().lower() not in ("auto", "off", "none", "null", "false", "") \
+                and not Path(local).expanduser().is_absolute():
+            raise ValueError(f"local_dir={local} must be auto, off or an absolute path (a node-local disk, "
+                             "e.g. /dev/shm/olmo_eqx or /local/ckpt)")
 
 
 @dataclass(frozen=True)
@@ -397,8 +412,9 @@ def check_across_groups(config: Config) -> None:
 # What a resume compares with the checkpoint's config: whole groups, or single keys. Left out:
 # how the data is reached (source, data_root, tokenizer: the same files under another root or
 # mounted locally are the same data, and the dataset's fingerprint refuses other content),
-# the remote and prefetch settings, held-out sets, logging, and trainer.micro_batches, which
-# exists to fit the same batch on fewer devices.
+# the remote and prefetch settings, held-out sets, logging, trainer.micro_batches, which
+# exists to fit the same batch on fewer devices, and the checkpoint settings (a restart on
+# other hosts may find no RAM disk, or another local_dir: the local tier's keys change freely).
 RESUME_COMPARED = ("optim", "schedule", "data.sequence_length", "data.global_batch_size", "data.seed",
                    "data.filter_repeated_ngrams", "data.document_masking", "data.reset_positions_per_document",
                    "data.eos_token_id", "trainer.steps")

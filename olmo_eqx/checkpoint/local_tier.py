@@ -122,6 +122,8 @@ class LocalTier:
         self.directory = self.root / f"process_{jax.process_index()}"
         # Saves that never completed (a kill mid-save), found before Orbax removes their tmp dirs.
         self.incomplete = self._incomplete()
+        for step in self.incomplete:  # tmp dirs go with Orbax's cleanup below; a step dir without its manifest here
+            shutil.rmtree(self.directory / str(step), ignore_errors=True)
         self.directory.mkdir(parents=True, exist_ok=True)
         me = jax.process_index()
         mp = ocp.options.MultiprocessingOptions(
@@ -140,6 +142,8 @@ class LocalTier:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._saving: Optional[tuple[int, float]] = None  # (step, when it began)
+        # (step, seconds from its start) of each save completed since the caller last took them.
+        self.completed: list[tuple[int, float]] = []
         self.failed: Optional[str] = None  # a save failed: the tier is off for the rest of the session
 
     def _incomplete(self) -> list[int]:
@@ -218,24 +222,23 @@ class LocalTier:
         for path in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
             shutil.rmtree(path, ignore_errors=True)
 
-    def poll(self, wait: bool = False) -> Optional[tuple[int, float]]:
-        """(step, seconds since its save began) when the save in flight has completed since the
-        last poll (committed, manifest written), else None; `wait`: block until it has."""
+    def poll(self, wait: bool = False) -> None:
+        """Finish the save in flight if its writes are over (committed, manifest written: it
+        goes into `completed`); `wait`: block until they are."""
         if self._saving is None:
-            return None
+            return
         try:
             if not wait and self._manager.is_saving_in_progress():
                 self._manager.check_for_errors()
-                return None
+                return
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as e:
             self._fail(e)
-            return None
+            return
         (step, began), self._saving = self._saving, None
-        took = time.perf_counter() - began
+        self.completed.append((step, time.perf_counter() - began))
         self._prune()
-        return step, took
 
     def _prune(self) -> None:
         steps = self.complete_steps()
