@@ -23,13 +23,14 @@ Orbax's own emergency checkpoint manager (`orbax.checkpoint.experimental.emergen
 same with a restore from a peer replica's copy, but refuses a mesh with fewer than two
 data-parallel replicas and restores only on the same topology; this tier works with one.
 
-    <local_dir>/process_<i>/<step>/shards/       this process's shards (numpy, OCDBT)
+    <local_dir>/process_<i>/<step>/shards/       this process's shards (numpy arrays, zarr)
     <local_dir>/process_<i>/<step>/layout/       the layout record, JSON
     <local_dir>/process_<i>/<step>/{loader,config,model_config,health}/   as in the persistent tier
     <local_dir>/process_<i>/<step>/digests.json
 """
 
 import getpass
+import logging
 import hashlib
 import os
 import shutil
@@ -49,6 +50,12 @@ from olmo_eqx.checkpoint.format import (
 )
 from olmo_eqx.checkpoint.storage import CheckpointSaveError, os_reason
 from olmo_eqx.train.state import TrainState
+
+
+def _no_merge_notice(record: logging.LogRecord) -> bool:
+    """Orbax's finalize looks for OCDBT databases to merge whatever the format, and warns at
+    every local save (written without OCDBT) that it found none."""
+    return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 # Where `checkpoint.local_dir=auto` looks for a RAM disk.
 RAM_DISK = Path("/dev/shm")
@@ -112,6 +119,34 @@ def resolve_local_dir(setting: Optional[str], run_dir: Path, need: int, keep: in
     return path, None
 
 
+class _OwnNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """Orbax's numpy handler, writing on every process: Orbax's writes numpy arrays only on
+    process 0 (they are replicated values to it), and each process's local step holds its own."""
+
+    async def _background_serialize(self, values, infos, args=None):
+        import asyncio
+
+        from orbax.checkpoint._src.serialization import tensorstore_utils
+
+        writes = []
+        for value, info, arg in zip(values, infos, args or [ocp.SaveArgs()] * len(values)):
+            await info.await_path_creation()
+            spec = tensorstore_utils.build_array_write_spec(
+                info=info, arg=arg, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+                use_ocdbt=False, process_index=None, metadata_key=self._metadata_key,
+            )
+            writes.append(self._open_and_write(value, spec.json, info.ts_context))
+        await asyncio.gather(*writes)
+
+
+def _shards_handler(mp) -> ocp.PyTreeCheckpointHandler:
+    registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, _OwnNumpyHandler()))
+    # Without OCDBT: its finalize merges per-process databases that only the first process
+    # of a run merges (process 1's copy of a step restored nothing, Orbax 0.12.8); one zarr
+    # array per shard on a RAM disk costs little.
+    return ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, use_ocdbt=False, type_handler_registry=registry)
+
+
 class LocalTier:
     """This process's local tier under `root/process_<i>`: save, poll for completion, list
     the usable steps, restore, retention (`keep` newest complete steps)."""
@@ -129,17 +164,22 @@ class LocalTier:
         mp = ocp.options.MultiprocessingOptions(
             primary_host=None, active_processes={me}, barrier_sync_key_prefix=f"olmo_eqx_local_{me}")
         handlers = {
-            "shards": ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, use_compression=False),
+            "shards": _shards_handler(mp),
             **{name: ocp.JsonCheckpointHandler(multiprocessing_options=mp) for name in _ITEMS[1:]},
         }
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # retention is `_prune`'s: it counts only sealed steps
             enable_async_checkpointing=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
+            # Directories made before `save` returns: Orbax's asynchronous creation signals "made"
+            # under a key the processes share (its operation id), so process 1 took process 0's
+            # signal for its own and wrote into dirs not yet there (Orbax 0.12.8). A few mkdirs
+            # on a RAM disk.
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal, create_directories_asynchronously=False),
             create=False,  # Orbax refuses create with active_processes; made above
             cleanup_tmp_directories=True,
             multiprocessing_options=mp,
         )
+        logging.getLogger("absl").addFilter(_no_merge_notice)  # the same function: added once
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._saving: Optional[tuple[int, float]] = None  # (step, when it began)
         # (step, seconds from its start) of each save completed since the caller last took them.
@@ -167,6 +207,8 @@ class LocalTier:
         if self.failed is not None:
             return
         self.poll(wait=True)
+        if (self.directory / str(step)).exists():  # a step of a session that did not resume from it
+            self.remove(step)
         arrays, _ = eqx.partition(state, eqx.is_array)
         flat, _ = jax.tree_util.tree_flatten_with_path(arrays)
         shards, leaves = {}, []

@@ -58,7 +58,7 @@ from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
 from olmo_eqx.run.plots import loss_plot, read_metrics
-from olmo_eqx.run.processes import FailureWatch
+from olmo_eqx.run.processes import FailureWatch, gather
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
 from olmo_eqx.run.secrets import hide_secrets
 from olmo_eqx.infra.cluster import cluster_line, start_cluster
@@ -237,6 +237,7 @@ class _Loop:
         # on some processes, not yet on all: step -> {process: seconds}.
         self.local = local
         self.local_done: dict[int, dict[int, float]] = {}
+        self.local_failure_said = False
         self.start_step, self.started = start_step, started
         trainer, data = config.trainer, config.data
         self.trainer = trainer
@@ -495,13 +496,12 @@ class _Loop:
         if self.local is not None:
             self.local.poll()
             mine, self.local.completed = self.local.completed, []
-            if self.local.failed is not None:
-                self.out.print(self.local.failed)
+            if self.local.failed is not None and not self.local_failure_said:
+                self.out.print(self.local.failed)  # the tier saves no more; the persistent one goes on
+                self.local_failure_said = True
         else:
             mine = []
         if jax.process_count() > 1:
-            from olmo_eqx.run.processes import gather
-
             for index, finished in enumerate(gather("local_safe", mine)):
                 for s, took in finished:
                     self.local_done.setdefault(s, {})[index] = took
@@ -510,16 +510,10 @@ class _Loop:
                     done.append((s, max(self.local_done.pop(s).values()), "local"))
         else:
             done += [(s, took, "local") for s, took in mine]
-        if self.local is not None and self.local.failed is not None:
-            self.local = None  # said above; the persistent tier goes on
         for s, took, tier in done:
-            where = self.checkpointer.directory if tier == "persistent" else self.local_root
+            where = self.checkpointer.directory if tier == "persistent" else self.local.root
             self.out.print(f"checkpoint step {s} is safe: {tier} tier {where}, {took:.1f} s after it began")
             self.write({"step": step, "checkpoint_safe": s, "tier": tier, "save_s": took})
-
-    @property
-    def local_root(self):
-        return self.local.root if self.local is not None else "(off)"
 
     def record(self, step: int, metrics: dict, boundary: bool) -> None:
         """Host side of step `step`: fetch and write its metrics; print at log steps."""

@@ -74,7 +74,7 @@ def _restore_or_init(
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
     target = sharded_abstract_train_state(config.model, config.optim, mesh, rules) if steps or local else None
-    local_steps = _local_steps(local, target, notes) if config.checkpoint.resume else []
+    local_steps = _local_steps(local, target, notes, steps[-1] if steps else None) if config.checkpoint.resume else []
     if local is not None and not config.checkpoint.resume:
         local.remove_after(None)  # a fresh start: the previous run's local steps are not this run's
     state, loader_state, start_step, health, stored_config = None, None, 0, SaveHealth(), None
@@ -115,6 +115,10 @@ def _restore_or_init(
             why = (f"; the local tier's newest step every process holds is {local_steps[0]}" if local_steps
                    else "; the local tier holds no newer step every process has" if local is not None else "")
             notes.append(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step}{why})")
+    if local is not None:
+        # Steps past the one resumed (not held by every process, or on another layout) would be
+        # trained again and saved anew; never mixed with this session's.
+        local.remove_after(start_step)
     try:
         loader = DataLoader(
             dataset,
@@ -136,7 +140,7 @@ def _restore_or_init(
     return state, loader, start_step, health, stored_config
 
 
-def _local_steps(local: Optional[LocalTier], target: TrainState, notes: list[str]) -> list[int]:
+def _local_steps(local: Optional[LocalTier], target: TrainState, notes: list[str], persistent: Optional[int]) -> list[int]:
     """The local steps every process holds and can restore, newest first (a collective: every
     process calls it, with or without a tier); a line per process that lacks a step another
     has, and per step of this process saved on another layout."""
@@ -148,8 +152,10 @@ def _local_steps(local: Optional[LocalTier], target: TrainState, notes: list[str
     common = sorted(set.intersection(*(set(h["steps"]) for h in held)), reverse=True)
     every = sorted(set().union(*(set(h["steps"]) for h in held)), reverse=True)
     if every[0] not in common:
-        then = (f"every process resumes from step {common[0]} or the persistent tier's newest, if newer" if common
-                else "every process resumes from the persistent tier")
+        newest = max([*common[:1], *([persistent] if persistent is not None else [])], default=None)
+        tier = "the local tier" if common and newest == common[0] else "the persistent tier"
+        then = (f"every process resumes from step {newest} ({tier}), the newest that every process can restore"
+                if newest is not None else "no step is common to every process: the run starts from step 0")
         for index, h in enumerate(held):
             if every[0] not in h["steps"]:
                 where = h["dir"] or "no local tier"
