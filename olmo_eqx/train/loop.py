@@ -512,8 +512,9 @@ class _Loop:
             done += [(s, took, "local") for s, took in mine]
         for s, took, tier in done:
             where = self.checkpointer.directory if tier == "persistent" else self.local.root
-            self.out.print(f"checkpoint step {s} is safe: {tier} tier {where}, {took:.1f} s after it began")
+            # The record first: once the line is seen (a drill's kill), the record is there too.
             self.write({"step": step, "checkpoint_safe": s, "tier": tier, "save_s": took})
+            self.out.print(f"checkpoint step {s} is safe: {tier} tier {where}, {took:.1f} s after it began")
 
     def record(self, step: int, metrics: dict, boundary: bool) -> None:
         """Host side of step `step`: fetch and write its metrics; print at log steps."""
