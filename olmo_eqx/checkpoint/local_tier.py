@@ -21,7 +21,7 @@ or the persistent one's, agreed by every process) is `olmo_eqx.train.setup`'s ch
 
 Orbax's own emergency checkpoint manager (`orbax.checkpoint.experimental.emergency`) does the
 same with a restore from a peer replica's copy, but refuses a mesh with fewer than two
-data-parallel replicas and restores only on the same topology; this tier works with one.
+data-parallel replicas (every preset's mesh but `hsdp_slices`); this tier works with one.
 
     <local_dir>/process_<i>/<step>/shards/       this process's shards (numpy arrays, zarr)
     <local_dir>/process_<i>/<step>/layout/       the layout record, JSON
