@@ -209,6 +209,6 @@ def test_local_dir_auto_and_refusals(tmp_path, monkeypatch):
     root, why = resolve_local_dir("auto", tmp_path / "run", need=1 << 60, keep=2)
     assert root is None and "GiB free, the tier needs" in why
     for bad in ("checkpoint.local_dir=relative/dir", "checkpoint.local_every=-1", "checkpoint.local_keep=0"):
-        result = olmo_eqx(*TINY, bad, f"hydra.run.dir={tmp_path / 'refused'}")
+        result = olmo_eqx(*TINY, "checkpoint.local_every=2", bad, f"hydra.run.dir={tmp_path / 'refused'}")
         assert result.returncode == 2 and result.stderr.count("error: ") == 1, result.stderr[-2000:]
         assert bad.split("=")[0].split(".")[1] in result.stderr

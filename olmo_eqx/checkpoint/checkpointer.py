@@ -18,10 +18,10 @@ from etils import epath
 from olmo_eqx.checkpoint.remote import RemoteSteps, StagedRecord, is_object_store
 from olmo_eqx.checkpoint.storage import os_reason
 from olmo_eqx.models.config import ModelConfig
-from olmo_eqx.run.processes import agree, gather
+from olmo_eqx.run.processes import agree
 from olmo_eqx.train.state import TrainState
 from olmo_eqx.checkpoint.format import (
-    _ITEMS, _OPTIONAL_ITEMS, COMMIT_MARKER, CheckpointCorruptError, Restored, _jsonable, _listed,
+    _ITEMS, _OPTIONAL_ITEMS, CheckpointCorruptError, Restored, _jsonable, _listed,
     _quiet_read_only_notices, _train_part, check_model_config, model_config_from_dict, model_config_to_dict,
 )
 from olmo_eqx.checkpoint.local_steps import LocalSteps
@@ -103,12 +103,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
         # Steps retention must keep whatever keep_last says (`protect`).
         self.protected: frozenset[int] = frozenset()
         self._saves, self._save_key = 0, ""  # names this save's digests in the processes' store
-        self._began = 0.0  # when the save in flight began (perf_counter)
-        # (step, seconds from its start) of each save completed since the caller last took them.
-        self.completed: list[tuple[int, float]] = []
-        # Steps whose save never completed (a run killed mid-save), found before Orbax removes
-        # their tmp dirs: a rerun names them.
-        self.incomplete: list[int] = [] if read_only else self._incomplete(orbax_dir)
+        self.completed, self.incomplete = [], [] if read_only else self._incomplete()  # `LocalSteps` says what they are
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
                 # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
@@ -132,18 +127,6 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
             self._manager = _listed(lambda: ocp.CheckpointManager(orbax_dir, options=options, **items))
         if self.remote is not None and not read_only and self._upload_pending():
             self._prune()  # retention, as after any upload
-
-    def _incomplete(self, orbax_dir) -> list[int]:
-        if self._local is None or jax.process_index() != 0 or not self._local.is_dir():
-            return []
-        steps = set()
-        for path in self._local.iterdir():
-            head = path.name.split(".")[0]
-            if ".orbax-checkpoint-tmp" in path.name and head.isdigit():
-                steps.add(int(head))
-            elif path.name.isdigit() and not (path / COMMIT_MARKER).exists():
-                steps.add(int(path.name))
-        return sorted(steps)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -234,8 +217,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
             model_config=ocp.args.JsonSave(model_config_to_dict(state.model.config)),
             health=ocp.args.JsonSave(health or {}),
         )
-        self._saving = step
-        self._began = time.perf_counter()
+        self._saving, self._began = step, time.perf_counter()
         self._saves += 1
         self._save_key = f"olmo_eqx/hash/{self.directory}/{self._saves}"
         if jax.process_count() > 1 and jax.process_index() != 0 and self._local is not None:
@@ -356,17 +338,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
             step, self._saving = self._saving, None
             if self.remote is not None:
                 self._upload(step)
-            self.completed.append((step, time.perf_counter() - self._began))
-            self._prune()
-
-    def finish_if_done(self) -> None:
-        """With several processes, finish the save in flight once every process's writes are
-        over (a collective: every process calls it at the same points). One process needs no
-        agreement: `check_for_errors` finishes its save as soon as it is done."""
-        if jax.process_count() == 1:
-            return
-        if self._saving is not None and all(gather("save_done", not self._manager.is_saving_in_progress())):
-            self.wait_until_finished()
+            self._finished(step)
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's threads."""

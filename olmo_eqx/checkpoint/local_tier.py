@@ -104,7 +104,10 @@ def resolve_local_dir(setting: Optional[str], run_dir: Path, need: int, keep: in
                           f"{room / 2**30:.2f} GiB ({keep} kept + 1 in flight of {need / 2**30:.2f} GiB); {fix}")
         run_id = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
         return RAM_DISK / f"olmo_eqx-{getpass.getuser()}" / run_id, None
-    path = Path(setting)
+    path = Path(setting).expanduser()
+    if not path.is_absolute():
+        raise CheckpointSaveError(f"checkpoint.local_dir={setting} must be auto, off or an absolute path (a node-local "
+                                  "disk, e.g. /dev/shm/olmo_eqx or /local/ckpt)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-probe-{os.getpid()}"

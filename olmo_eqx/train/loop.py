@@ -46,6 +46,7 @@ from olmo_eqx.run import huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import Checkpointer
 from olmo_eqx.checkpoint.local_tier import LocalTier
+from olmo_eqx.train.tiers import SaveWatch, never_completed, open_local_tier
 from olmo_eqx.checkpoint.remote import STAGED_RECORD
 from olmo_eqx.checkpoint.storage import check_storage
 from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError, claim_checkpoint_dir
@@ -58,7 +59,7 @@ from olmo_eqx.errors import TrainError
 from olmo_eqx.models.flops import flops_per_token
 from olmo_eqx.models.registry import count_params
 from olmo_eqx.run.plots import loss_plot, read_metrics
-from olmo_eqx.run.processes import FailureWatch, gather
+from olmo_eqx.run.processes import FailureWatch
 from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
 from olmo_eqx.run.secrets import hide_secrets
 from olmo_eqx.infra.cluster import cluster_line, start_cluster
@@ -74,8 +75,7 @@ from olmo_eqx.train.state import TrainState, abstract_train_state, init_train_st
 from olmo_eqx.train.memory import compiler_refusal
 from olmo_eqx.train.micro_batches import MicroBatchChoice, choose_micro_batches
 from olmo_eqx.train.setup import (
-    InitState, _checkpoint_dir, _never_uploaded, _one_writer, _restore_or_init, never_completed, open_local_tier,
-    previous_session,
+    InitState, _checkpoint_dir, _never_uploaded, _one_writer, _restore_or_init, previous_session,
 )
 from olmo_eqx.train.step import make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput
@@ -168,7 +168,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         local = None
         try:
             notes = list(notes)
-            local = open_local_tier(config, run_dir, mesh, rules, notes)
+            local = open_local_tier(config, run_dir, mesh, rules, notes)  # the local tier, or None
             state, loader, start_step, health, stored_config = _restore_or_init(
                 config, checkpointer, dataset, mesh, rules, init_state, notes, local
             )
@@ -211,13 +211,11 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 checkpointer.close()
-            if local is not None:
-                with contextlib.suppress(Exception):
-                    local.close()
+            with contextlib.suppress(Exception):
+                local and local.close()
             raise
         checkpointer.close()  # waits for saves in flight
-        if local is not None:
-            local.close()
+        local and local.close()
         return summary
 
 
@@ -233,11 +231,7 @@ class _Loop:
                  checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None,
                  local: Optional[LocalTier] = None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
-        # The local tier (`olmo_eqx.checkpoint.local_tier`), or None; its saves that completed
-        # on some processes, not yet on all: step -> {process: seconds}.
-        self.local = local
-        self.local_done: dict[int, dict[int, float]] = {}
-        self.local_failure_said = False
+        self.saves = SaveWatch(checkpointer, local, config.checkpoint.local_every)  # the local tier, "step N is safe"
         self.start_step, self.started = start_step, started
         trainer, data = config.trainer, config.data
         self.trainer = trainer
@@ -347,9 +341,9 @@ class _Loop:
                             self.throughput.pause()
                         if save_now:
                             self.save(step)
-                        elif self.local_due(step):
-                            self.save_local(step)
-                        self.poll_saves(step, agreed=jax.process_count() == 1 or step % trainer.log_every == 0)
+                        elif self.saves.local_due(step, self.end_step):
+                            self.save(step, local=True)
+                        self.saves.poll(step, jax.process_count() == 1 or step % trainer.log_every == 0, self.write, self.out.print)
                         # Every process must stop at the same step: agree (a collective) at log steps.
                         if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
                             if any_process(bool(stop)):
@@ -366,9 +360,7 @@ class _Loop:
                     self.run_eval(self.start_step)
             self.save(self.end_step)
             checkpointer.wait_until_finished()
-            if self.local is not None:
-                self.local.poll(wait=True)
-            self.poll_saves(self.end_step, agreed=True)
+            self.saves.poll(self.end_step, True, self.write, self.out.print, wait=True)
 
             end_step = self.end_step
             summary = self.summary(end_step, interrupted=interrupted)
@@ -437,8 +429,7 @@ class _Loop:
         good one are set aside (kept), so a rerun resumes from the good one."""
         checkpointer, good = self.checkpointer, self.health.last_good
         checkpointer.wait_until_finished()
-        if self.local is not None:  # a cache: the steps saved since the trouble began go
-            self.local.remove_after(good)
+        self.saves.drop_local_after(good)  # a cache: the steps saved since the trouble began go
         steps = checkpointer.all_steps()
         if not steps:
             kept = "no checkpoint was saved"
@@ -460,61 +451,17 @@ class _Loop:
         self.plot()
         raise TrainingDiverged(message)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, local: bool = False) -> None:
+        """Save `step` to the persistent tier, or (`local`) to the local tier."""
         if step != self.last_saved:
             if not bool(all_finite(self.state)):
                 self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-            self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
-                                   health=self.health.saved_record())
+            (self.saves.local.save if local else self.checkpointer.save)(
+                step, self.state, loader_state=self.loader.state, config=self.config_dict, health=self.health.saved_record())
+            if local:
+                return
             self.health.saved(step)
             self.last_saved = step
-
-    # -- the local tier and "a step is safe" (olmo_eqx.checkpoint.local_tier) --------------------
-
-    def local_due(self, step: int) -> bool:
-        """A local save at multiples of checkpoint.local_every, except at the run's last step
-        (the persistent tier saves it)."""
-        every = self.config.checkpoint.local_every
-        return self.local is not None and bool(every) and step % every == 0 and step != self.end_step
-
-    def save_local(self, step: int) -> None:
-        if not bool(all_finite(self.state)):
-            self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-        self.local.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
-                        health=self.health.saved_record())
-
-    def poll_saves(self, step: int, agreed: bool) -> None:
-        """Say when a save has completed in either tier (a line and a metrics record). With
-        several processes only at `agreed` steps (a collective), and a local step is safe once
-        every process's copy is."""
-        if jax.process_count() > 1:
-            if not agreed:
-                return
-            self.checkpointer.finish_if_done()
-        done = [(s, took, "persistent") for s, took in self.checkpointer.completed]
-        self.checkpointer.completed.clear()
-        if self.local is not None:
-            self.local.poll()
-            mine, self.local.completed = self.local.completed, []
-            if self.local.failed is not None and not self.local_failure_said:
-                self.out.print(self.local.failed)  # the tier saves no more; the persistent one goes on
-                self.local_failure_said = True
-        else:
-            mine = []
-        if jax.process_count() > 1:
-            for index, finished in enumerate(gather("local_safe", mine)):
-                for s, took in finished:
-                    self.local_done.setdefault(s, {})[index] = took
-            for s in sorted(self.local_done):
-                if len(self.local_done[s]) == jax.process_count():
-                    done.append((s, max(self.local_done.pop(s).values()), "local"))
-        else:
-            done += [(s, took, "local") for s, took in mine]
-        for s, took, tier in done:
-            where = self.checkpointer.directory if tier == "persistent" else self.local.root
-            # The record first: once the line is seen (a drill's kill), the record is there too.
-            self.write({"step": step, "checkpoint_safe": s, "tier": tier, "save_s": took})
-            self.out.print(f"checkpoint step {s} is safe: {tier} tier {where}, {took:.1f} s after it began")
 
     def record(self, step: int, metrics: dict, boundary: bool) -> None:
         """Host side of step `step`: fetch and write its metrics; print at log steps."""

@@ -13,7 +13,7 @@ import jax
 from jax.sharding import Mesh
 
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
-from olmo_eqx.checkpoint.local_tier import LocalTier, resolve_local_dir, share_bytes
+from olmo_eqx.checkpoint.local_tier import LocalTier
 from olmo_eqx.config import Config, resume_changes
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader
@@ -21,11 +21,11 @@ from olmo_eqx.data.sampler import LoaderState
 from olmo_eqx.data.token_files import DataFileError
 from olmo_eqx.errors import TrainError
 from olmo_eqx.run.lock import RunLock, RunLockedError
-from olmo_eqx.run.processes import gather
 from olmo_eqx.run.run_dir import CONFIG_FILE
 from olmo_eqx.sharding import ShardingRules
 from olmo_eqx.train.divergence import SaveHealth
 from olmo_eqx.train.state import TrainState, sharded_abstract_train_state
+from olmo_eqx.train.tiers import local_steps_held, restore_local
 
 # Builds a fresh state when there is no checkpoint to resume: (config, mesh, rules) -> TrainState.
 InitState = Callable[[Config, Mesh, ShardingRules], TrainState]
@@ -74,7 +74,7 @@ def _restore_or_init(
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
     target = sharded_abstract_train_state(config.model, config.optim, mesh, rules) if steps or local else None
-    local_steps = _local_steps(local, target, notes, steps[-1] if steps else None) if config.checkpoint.resume else []
+    local_steps = local_steps_held(local, target, notes, steps[-1] if steps else None) if config.checkpoint.resume else []
     if local is not None and not config.checkpoint.resume:
         local.remove_after(None)  # a fresh start: the previous run's local steps are not this run's
     state, loader_state, start_step, health, stored_config = None, None, 0, SaveHealth(), None
@@ -84,7 +84,7 @@ def _restore_or_init(
         for step, tier in candidates:
             try:
                 if tier == "local":
-                    restored = _restore_local(local, step, target)
+                    restored = restore_local(local, step, target)
                 else:
                     restored = checkpointer.restore(step, target=target)
             except CheckpointMismatchError as e:
@@ -138,45 +138,6 @@ def _restore_or_init(
     if state is None:
         state = init_state(config, mesh, rules)
     return state, loader, start_step, health, stored_config
-
-
-def _local_steps(local: Optional[LocalTier], target: TrainState, notes: list[str], persistent: Optional[int]) -> list[int]:
-    """The local steps every process holds and can restore, newest first (a collective: every
-    process calls it, with or without a tier); a line per process that lacks a step another
-    has, and per step of this process saved on another layout."""
-    mine, lines = local.usable_steps(target) if local is not None else ([], [])
-    notes.extend(lines)
-    held = gather("local_steps", {"steps": mine, "dir": str(local.directory) if local is not None else None})
-    if not any(h["steps"] for h in held):
-        return []
-    common = sorted(set.intersection(*(set(h["steps"]) for h in held)), reverse=True)
-    every = sorted(set().union(*(set(h["steps"]) for h in held)), reverse=True)
-    if every[0] not in common:
-        newest = max([*common[:1], *([persistent] if persistent is not None else [])], default=None)
-        tier = "the local tier" if common and newest == common[0] else "the persistent tier"
-        then = (f"every process resumes from step {newest} ({tier}), the newest that every process can restore"
-                if newest is not None else "no step is common to every process: the run starts from step 0")
-        for index, h in enumerate(held):
-            if every[0] not in h["steps"]:
-                where = h["dir"] or "no local tier"
-                notes.append(f"process {index}'s local tier ({where}) has no step {every[0]} (it holds {h['steps']}: "
-                             f"host replaced, or its RAM disk cleared?): {then}")
-    return common
-
-
-def _restore_local(local: LocalTier, step: int, target: TrainState):
-    """Local step `step` on every process, or `CheckpointCorruptError` on every process when any
-    process's copy fails (each removes its copy: the step is no longer common)."""
-    try:
-        restored, failure = local.restore(step, target=target), None
-    except CheckpointCorruptError as e:
-        restored, failure = None, [str(e.path), e.file, e.reason, jax.process_index()]
-    failures = [f for f in gather(f"local_restore_{step}", failure) if f is not None]
-    if failures:
-        local.remove(step)
-        path, file, reason, index = failures[0]
-        raise CheckpointCorruptError(path, step, file, f"{reason} (process {index}'s copy)")
-    return restored
 
 
 def previous_session(stored_config: Optional[dict]) -> Optional[dict]:
@@ -250,31 +211,4 @@ def _never_uploaded(checkpointer: Checkpointer, start_step: int) -> list[str]:
                          f"uploaded to {url} (the run stopped, or its upload failed): {resuming}. To resume from "
                          f"step {step} instead, stop this run and rerun on {host} with "
                          f"OLMO_EQX_CHECKPOINT_STAGING={path.parent.parent}, which uploads it first")
-    return lines
-
-
-def open_local_tier(config: Config, run_dir: Path, mesh: Mesh, rules: ShardingRules,
-                    notes: list[str]) -> Optional[LocalTier]:
-    """This process's local tier (`checkpoint.local_every` > 0), or None; `notes` gets the
-    line saying why there is none when `local_dir=auto` finds no RAM disk with room."""
-    c = config.checkpoint
-    if not c.local_every:
-        return None
-    need = share_bytes(sharded_abstract_train_state(config.model, config.optim, mesh, rules))
-    root, why = resolve_local_dir(c.local_dir, run_dir, need, c.local_keep)
-    if why is not None:
-        notes.append(why)
-    return LocalTier(root, keep=c.local_keep) if root is not None else None
-
-
-def never_completed(checkpointer: Checkpointer, local: Optional[LocalTier], start_step: int) -> list[str]:
-    """One line per save that a previous session began and never completed (its Orbax tmp dir,
-    or a local step without its manifest, left by a kill mid-save), naming where the run
-    resumes instead; the leftovers are removed (Orbax's tmp-dir cleanup, the tier's own)."""
-    resuming = f"resuming from step {start_step}" if start_step else "starting from step 0"
-    lines = [f"checkpoint step {step} in {checkpointer.directory} never completed (a save cut off mid-write; its "
-             f"leftovers are removed): {resuming}" for step in checkpointer.incomplete if step > start_step]
-    if local is not None:
-        lines += [f"local checkpoint step {step} in {local.directory} never completed (no commit or manifest; "
-                  f"removed): {resuming}" for step in local.incomplete if step > start_step]
     return lines
