@@ -212,3 +212,26 @@ def test_local_dir_auto_and_refusals(tmp_path, monkeypatch):
         result = olmo_eqx(*TINY, "checkpoint.local_every=2", bad, f"hydra.run.dir={tmp_path / 'refused'}")
         assert result.returncode == 2 and result.stderr.count("error: ") == 1, result.stderr[-2000:]
         assert bad.split("=")[0].split(".")[1] in result.stderr
+
+
+def test_in_process_resume_from_the_local_tier_on_eight_devices(tmp_path, capsys):
+    """The same path in this process, under the suite's type checks, on 8 devices (FSDP: each
+    device's shard saved and restored): stopped at 4, its persistent step 4 lost, resumed
+    from local step 2, and bitwise equal to a run that never stopped."""
+    from olmo_eqx.config import compose_config
+    from olmo_eqx.train.loop import train
+
+    common = [*TINY, *TIERS, "trainer.steps=6", f"checkpoint.local_dir={tmp_path / 'local'}"]
+    run_dir = tmp_path / "run"
+    train(compose_config([*common, "trainer.stop_at=4"]), run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    assert local_steps(tmp_path / "local") == [2]
+    capsys.readouterr()
+    summary = train(compose_config(common), run_dir)
+    out = capsys.readouterr().out
+    assert summary["start_step"] == 2 and f"Resuming from the local tier {tmp_path / 'local'} (step 2;" in out, out
+    assert "checkpoint step 6 is safe: persistent tier" in out
+    whole = tmp_path / "whole"
+    train(compose_config([*TINY, "trainer.eval_every=0", "trainer.steps=6"]), whole)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(run_dir / "checkpoints" / "6"),
+                                                     arrays(whole / "checkpoints" / "6"), strict=True))

@@ -3,7 +3,8 @@ where it is, which of its steps every process can resume from, its saves in the 
 "checkpoint step N is safe" lines of both tiers (docs/checkpointing.md)."""
 
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import jax
 from jax.sharding import Mesh
@@ -43,7 +44,8 @@ def never_completed(checkpointer: Checkpointer, local: Optional[LocalTier], star
     return lines
 
 
-def local_steps_held(local: Optional[LocalTier], target: TrainState, notes: list[str], persistent: Optional[int]) -> list[int]:
+def local_steps_held(local: Optional[LocalTier], target: Optional[TrainState], notes: list[str],
+                     persistent: Optional[int]) -> list[int]:
     """The local steps every process holds and can restore, newest first (a collective: every
     process calls it, with or without a tier); a line per process that lacks a step another
     has, and per step of this process saved on another layout."""
