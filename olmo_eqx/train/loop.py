@@ -215,7 +215,10 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                 local and local.close()
             raise
         checkpointer.close()  # waits for saves in flight
-        local and local.close()
+        if local is not None:
+            if summary.get("stage_completed"):  # the persistent tier holds the end: give the host its RAM back
+                local.remove_after(None)
+            local.close()
         return summary
 
 
