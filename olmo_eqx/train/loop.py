@@ -459,6 +459,8 @@ class _Loop:
         if step != self.last_saved:
             if not bool(all_finite(self.state)):
                 self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
+            if local and self.saves.local is None:  # this host has no tier; another has
+                return
             (self.saves.local.save if local else self.checkpointer.save)(
                 step, self.state, loader_state=self.loader.state, config=self.config_dict, health=self.health.saved_record())
             if local:

@@ -91,13 +91,16 @@ class SaveWatch:
     local step is safe once every process's copy is."""
 
     def __init__(self, checkpointer: Checkpointer, local: Optional[LocalTier], every: int):
-        self.checkpointer, self.local, self.every = checkpointer, local, every
+        self.checkpointer, self.local = checkpointer, local
+        # Due on every process alike when any has a tier (`auto` may find no RAM disk on some
+        # hosts): the state's finiteness check before a save is a collective.
+        self.every = every if every and any(gather("local_tier", local is not None)) else 0
         self.pending: dict[int, dict[int, float]] = {}  # local step -> {process: seconds}, until all have it
         self.failure_said = False
 
     def local_due(self, step: int, end_step: int) -> bool:
         """At multiples of checkpoint.local_every, but not the run's last step (the persistent tier saves it)."""
-        return self.local is not None and bool(self.every) and step % self.every == 0 and step != end_step
+        return bool(self.every) and step % self.every == 0 and step != end_step
 
     def drop_local_after(self, step: Optional[int]) -> None:
         if self.local is not None:
