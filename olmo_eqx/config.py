@@ -1,17 +1,15 @@
 """The run configuration: one frozen dataclass per Hydra group, checked before any work starts.
 
-Every group of `conf/` (model, data, optim, schedule, mesh, checkpoint, trainer) is backed by
-the *real* dataclass of the room that owns it (`ModelConfig`, `OptimConfig`, `MeshConfig`, ...);
-nothing here repeats their fields. Hydra needs mutable dataclasses of types OmegaConf knows,
-while the library's configs are frozen and use `Literal`s and tuples, so `schema_of` derives a
-mirror of each one automatically (Literal -> str, tuple -> list) and registers it in Hydra's
-ConfigStore. Hydra then rejects an unknown key (`trainer.stepz=3`) or a wrong type
-(`trainer.steps=abc`) while composing, naming the key. `build` turns the composed config back
-into the real frozen dataclasses, checking each Literal and running each `__post_init__`, and
-names the key of anything it rejects.
+Every group of `conf/` (model, data, optim, schedule, mesh, checkpoint, trainer) is backed by the *real* dataclass of
+the room that owns it (`ModelConfig`, `OptimConfig`, `MeshConfig`, ...); nothing here repeats their fields. Hydra
+needs mutable dataclasses of types OmegaConf knows, while the library's configs are frozen and use `Literal`s and
+tuples, so `schema_of` derives a mirror of each one automatically (Literal -> str, tuple -> list) and registers it in
+Hydra's ConfigStore. Hydra then rejects an unknown key (`trainer.stepz=3`) or a wrong type (`trainer.steps=abc`) while
+composing, naming the key. `build` turns the composed config back into the real frozen dataclasses, checking each
+Literal and running each `__post_init__`, and names the key of anything it rejects.
 
-The model group is filled from the model zoo (`olmo_eqx.models.zoo`): `model=olmo3_190m`
-selects that entry and `model.n_layers=8` edits one field of it.
+The model group is filled from the model zoo (`olmo_eqx.models.zoo`): `model=olmo3_190m` selects that entry and
+`model.n_layers=8` edits one field of it.
 """
 
 import dataclasses
@@ -78,10 +76,13 @@ class CheckpointConfig:
     # Settings a resume may change from the checkpoint's (`resume_changes`), each by its key,
     # e.g. [optim.lr,trainer.steps]; any other change is printed and refused.
     accept_changes: tuple[str, ...] = ()
+    local_dir: Optional[str] = "auto"  # the local tier (docs/checkpointing.md): auto (a RAM disk), off, or a path
+    local_every: int = 0  # a local save every this many steps; 0: no local tier
+    local_keep: int = 2  # the newest local steps kept (each process its own)
 
     def __post_init__(self):
-        if self.every < 0 or self.keep_last < 1:
-            raise ValueError("every must be >= 0 and keep_last >= 1")
+        if self.every < 0 or self.keep_last < 1 or self.local_every < 0 or self.local_keep < 1:
+            raise ValueError(f"every={self.every} and local_every={self.local_every} must be >= 0 (0: off), keep_last={self.keep_last} and local_keep={self.local_keep} >= 1")
 
 
 @dataclass(frozen=True)
@@ -394,11 +395,10 @@ def check_across_groups(config: Config) -> None:
         )
 
 
-# What a resume compares with the checkpoint's config: whole groups, or single keys. Left out:
-# how the data is reached (source, data_root, tokenizer: the same files under another root or
-# mounted locally are the same data, and the dataset's fingerprint refuses other content),
-# the remote and prefetch settings, held-out sets, logging, and trainer.micro_batches, which
-# exists to fit the same batch on fewer devices.
+# What a resume compares with the checkpoint's config: whole groups, or single keys. Left out: how the data is reached
+# (source, data_root, tokenizer: the same files under another root or mounted locally are the same data, and the
+# dataset's fingerprint refuses other content), the remote and prefetch settings, held-out sets, logging, checkpoint
+# (a restart elsewhere may change the local tier), and trainer.micro_batches, to fit the same batch on fewer devices.
 RESUME_COMPARED = ("optim", "schedule", "data.sequence_length", "data.global_batch_size", "data.seed",
                    "data.filter_repeated_ngrams", "data.document_masking", "data.reset_positions_per_document",
                    "data.eos_token_id", "trainer.steps")

@@ -38,9 +38,14 @@ The package, bottom to top (each module imports only those above it in this list
     storage.py       the pre-flight storage check, a failed write's OS cause
     format.py        what a step holds: items, fields a restore may change, errors, `Restored`
     local_steps.py   a Checkpointer's local upkeep: manifest at commit, set-aside, retention
+    local_tier.py    the local tier: each process's own shards, saved often to a node-local disk
     object_store.py  a Checkpointer's object-store upkeep: upload, verified download, retention
     checkpointer.py  the `Checkpointer`: save, restore, verify (Orbax's CheckpointManager)
     paths.py         what a user's path names (run dir, checkpoints dir, step, HF dir)
+
+Beside this persistent tier, `local_tier.LocalTier` keeps frequent per-process saves on a
+node-local disk (`checkpoint.local_every`); a run resumes from the newest step of either
+(`olmo_eqx.train.setup`; docs/checkpointing.md).
 
 What several processes agree on (listings, verdicts, failures) is `olmo_eqx.run.processes`.
 """

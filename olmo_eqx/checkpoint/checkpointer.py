@@ -6,6 +6,7 @@ upkeep is `local_steps.LocalSteps`, its object-store side `object_store.ObjectSt
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -102,6 +103,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
         # Steps retention must keep whatever keep_last says (`protect`).
         self.protected: frozenset[int] = frozenset()
         self._saves, self._save_key = 0, ""  # names this save's digests in the processes' store
+        self.completed, self.incomplete = [], [] if read_only else self._incomplete()  # `LocalSteps` says what they are
         with _quiet_read_only_notices(read_only):
             options = ocp.CheckpointManagerOptions(
                 # Retention is `_prune`'s (it must skip steps without a manifest), not Orbax's;
@@ -215,7 +217,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
             model_config=ocp.args.JsonSave(model_config_to_dict(state.model.config)),
             health=ocp.args.JsonSave(health or {}),
         )
-        self._saving = step
+        self._saving, self._began = step, time.perf_counter()
         self._saves += 1
         self._save_key = f"olmo_eqx/hash/{self.directory}/{self._saves}"
         if jax.process_count() > 1 and jax.process_index() != 0 and self._local is not None:
@@ -336,7 +338,7 @@ class Checkpointer(LocalSteps, ObjectStoreSteps):
             step, self._saving = self._saving, None
             if self.remote is not None:
                 self._upload(step)
-            self._prune()
+            self._finished(step)
 
     def close(self) -> None:
         """Finish pending saves and release Orbax's threads."""

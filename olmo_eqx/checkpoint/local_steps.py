@@ -24,6 +24,18 @@ from olmo_eqx.run.processes import agree, fetch, gather, post
 class LocalSteps:
     """Local step-directory upkeep of a `Checkpointer`."""
 
+    _began = 0.0  # when the save in flight began (perf_counter; set by `save`)
+    # completed: (step, seconds from its start) of each save complete since the caller took them
+    # (the loop's "step N is safe" lines); incomplete: steps a save began and never committed
+    # (a killed run's), found before Orbax removes their tmp dirs, which a rerun names.
+    completed: list[tuple[int, float]]
+    incomplete: list[int]
+
+    def _finished(self, step: int) -> None:
+        """A save is complete (committed; uploaded on an object store): record it, apply retention."""
+        self.completed.append((step, time.perf_counter() - self._began))
+        self._prune()
+
     def _write_manifest(self) -> None:
         """Orbax's hook after every process wrote its files, before the rename (primary host
         only; it runs in Orbax's finalising thread, not the training thread). With several
@@ -66,6 +78,28 @@ class LocalSteps:
             share = {"error": f"{type(e).__name__}: {e}"}
         with contextlib.suppress(Exception):
             post(f"{key}/{jax.process_index()}", share)
+
+    def _incomplete(self) -> list[int]:
+        """Steps a save began and never committed here (process 0; before Orbax removes their tmp dirs)."""
+        if self._local is None or jax.process_index() != 0 or not self._local.is_dir():
+            return []
+        steps = set()
+        for path in self._local.iterdir():
+            head = path.name.split(".")[0]
+            if ".orbax-checkpoint-tmp" in path.name and head.isdigit():
+                steps.add(int(head))
+            elif path.name.isdigit() and not (path / COMMIT_MARKER).exists():
+                steps.add(int(path.name))
+        return sorted(steps)
+
+    def finish_if_done(self) -> None:
+        """With several processes, finish the save in flight once every process's writes are
+        over (a collective: every process calls it at the same points). One process needs no
+        agreement: `check_for_errors` finishes its save as soon as it is done."""
+        if jax.process_count() == 1:
+            return
+        if self._saving is not None and all(gather("save_done", not self._manager.is_saving_in_progress())):
+            self.wait_until_finished()
 
     def _part_dirs(self, step: int) -> list[Path]:
         """This process's tmp dirs of step `step` (processes i > 0 of a spread run)."""

@@ -329,3 +329,22 @@ def default_run_dir(stage: Optional[str], load: Optional[str], fallback: str) ->
     if not (path / CONFIG_FILE).is_file() or not (path / "checkpoints").is_dir():
         return fallback  # not a run dir of ours
     return str(path.parent / f"{path.name}.{stage}{suffix}")
+
+
+# What the session that trained up to a step measured; a rerun of a finished run (a sweep
+# resumed over its finished jobs, say) trains nothing and keeps them instead of nulls.
+TRAINING_FIGURES = ("train_loss_mean_last_n", "train_loss_mean_steps", "last_step_loss", "tokens_per_s", "mfu")
+
+
+def previous_training_figures(summary_path: Path, end_step: int) -> dict:
+    """The training figures of a run dir's summary.json when it ends at `end_step`."""
+    try:
+        previous = json.loads(Path(summary_path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(previous, dict) or previous.get("end_step") != end_step:
+        return {}
+    kept = {k: previous[k] for k in TRAINING_FIGURES if previous.get(k) is not None}
+    if kept:
+        kept["training_figures_from"] = f"the session that trained to step {end_step} (this one trained no step)"
+    return kept

@@ -45,6 +45,8 @@ from jax.sharding import Mesh
 from olmo_eqx.run import goodput, huge_pages
 from olmo_eqx.batch import TokenBatch
 from olmo_eqx.checkpoint import Checkpointer
+from olmo_eqx.checkpoint.local_tier import LocalTier
+from olmo_eqx.train.tiers import SaveWatch, never_completed, open_local_tier
 from olmo_eqx.checkpoint.remote import STAGED_RECORD
 from olmo_eqx.checkpoint.storage import check_storage
 from olmo_eqx.checkpoint.paths import CheckpointDirOwnedError, claim_checkpoint_dir
@@ -59,7 +61,7 @@ from olmo_eqx.models.quantization import check_available as check_quantization
 from olmo_eqx.models.registry import count_params
 from olmo_eqx.run.plots import goodput_plot, loss_plot, read_metrics
 from olmo_eqx.run.processes import FailureWatch
-from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir
+from olmo_eqx.run.run_dir import SUMMARY_FILE, RunDir, previous_training_figures
 from olmo_eqx.run.secrets import hide_secrets
 from olmo_eqx.infra.cluster import cluster_line, start_cluster
 from olmo_eqx.sharding import ShardingRules, batch_sharding, make_mesh
@@ -76,23 +78,11 @@ from olmo_eqx.train.micro_batches import MicroBatchChoice, choose_micro_batches
 from olmo_eqx.train.setup import (
     InitState, _checkpoint_dir, _never_uploaded, _one_writer, _restore_or_init, previous_session,
 )
-from olmo_eqx.train.step import make_eval_step, make_train_step
+from olmo_eqx.train.step import evaluate, make_eval_step, make_train_step
 from olmo_eqx.train.throughput import Throughput
 
 LOG_FILE = "train.log"
 PLOT_FILE = "loss.png"
-
-
-def evaluate(eval_step, model, sets: dict[str, list[TokenBatch]]) -> dict[str, tuple[float, float]]:
-    """Per held-out set: (mean cross-entropy over its batches, number of target tokens)."""
-    results = {}
-    for name, batches in sets.items():
-        ce = count = 0.0
-        for batch in batches:
-            sums = jax.device_get(eval_step(model, batch))
-            ce, count = ce + float(sums.ce), count + float(sums.count)
-        results[name] = (ce / max(count, 1.0), count)
-    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,11 +157,14 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
             checkpoint_dir, keep_last=config.checkpoint.keep_last, keep_every=config.checkpoint.keep_every,
             staged_record=run_dir / STAGED_RECORD if main_process else None,
         )
+        local = None
         try:
             notes = list(notes)
+            local = open_local_tier(config, run_dir, mesh, rules, notes)  # the local tier, or None
             state, loader, start_step, health, stored_config = _restore_or_init(
-                config, checkpointer, dataset, mesh, rules, init_state, notes
+                config, checkpointer, dataset, mesh, rules, init_state, notes, local
             )
+            notes.extend(never_completed(checkpointer, local, start_step))
             notes.extend(_never_uploaded(checkpointer, start_step))
             # Refused (nothing fits) before anything in the run dir is written.
             say = (lambda line: print(line, flush=True)) if main_process else None  # noqa: E731
@@ -201,7 +194,7 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
                     out.print(note)
                 loop = _Loop(config, out, state=state, start_step=start_step, loader=loader, heldout=heldout,
                              mesh=mesh, rules=rules, schedule=schedule, checkpointer=checkpointer, started=started,
-                             health=health, downstream=downstream, choice=choice, ledger=ledger)
+                             health=health, downstream=downstream, choice=choice, ledger=ledger, local=local)
                 loop.banner(mesh)
                 summary = loop.run()
             except DataFileError as e:  # token ids out of range, found as the batch is read
@@ -211,9 +204,15 @@ def _train(config: Config, run_dir: Path, init_state: InitState, notes: tuple[st
         except BaseException:
             with contextlib.suppress(Exception):  # the error in flight is the one to report
                 checkpointer.close()
+            with contextlib.suppress(Exception):
+                local and local.close()
             raise
         with ledger.bucket("checkpoint"):
             checkpointer.close()  # waits for saves in flight
+            if local is not None:
+                if summary.get("stage_completed"):  # the persistent tier holds the end: give the host its RAM back
+                    local.remove_after(None)
+                local.close()
         return summary
 
 
@@ -226,8 +225,10 @@ class _Loop:
     carries between steps lives on this object, each piece of host-side work is one method."""
 
     def __init__(self, config: Config, out: RunDir, *, state, start_step, loader, heldout, mesh, rules, schedule, ledger,
-                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None):
+                 checkpointer, started, health: SaveHealth, downstream=None, choice: Optional[MicroBatchChoice] = None,
+                 local: Optional[LocalTier] = None):
         self.config, self.out, self.state, self.loader, self.checkpointer = config, out, state, loader, checkpointer
+        self.saves = SaveWatch(checkpointer, local, config.checkpoint.local_every)  # the local tier, "step N is safe"
         self.start_step, self.started, self.ledger = start_step, started, ledger  # ledger: olmo_eqx.run.goodput
         trainer, data = config.trainer, config.data
         self.trainer = trainer
@@ -338,9 +339,11 @@ class _Loop:
                             with self.ledger.bucket("eval"):
                                 self.downstream.run(step, self.state.model, self.write, self.out.print)
                             self.throughput.pause()
-                        if save_now:
-                            self.save(step)
-                        self.ledger.step_done(step, logged=log_now, saved=save_now)
+                        local_now = not save_now and self.saves.local_due(step, self.end_step)
+                        if save_now or local_now:
+                            self.save(step, local=local_now)
+                        self.saves.poll(step, jax.process_count() == 1 or step % trainer.log_every == 0, self.write, self.out.print)
+                        self.ledger.step_done(step, logged=log_now, saved=save_now or local_now)
                         # Every process must stop at the same step: agree (a collective) at log steps.
                         if (jax.process_count() == 1 or step % trainer.log_every == 0) and step < self.end_step:
                             if any_process(bool(stop)):
@@ -359,6 +362,7 @@ class _Loop:
             self.save(self.end_step)
             with self.ledger.bucket("checkpoint"):
                 checkpointer.wait_until_finished()
+                self.saves.poll(self.end_step, True, self.write, self.out.print, wait=True)
 
             end_step = self.end_step
             summary = self.summary(end_step, interrupted=interrupted)
@@ -430,6 +434,7 @@ class _Loop:
         good one are set aside (kept), so a rerun resumes from the good one."""
         checkpointer, good = self.checkpointer, self.health.last_good
         checkpointer.wait_until_finished()
+        self.saves.drop_local_after(good)  # a cache: the steps saved since the trouble began go
         steps = checkpointer.all_steps()
         if not steps:
             kept = "no checkpoint was saved"
@@ -452,12 +457,17 @@ class _Loop:
         raise TrainingDiverged(message)
 
     @goodput.counted("checkpoint")  # the blocking part; Orbax writes on in the background
-    def save(self, step: int) -> None:
+    def save(self, step: int, local: bool = False) -> None:
+        """Save `step` to the persistent tier, or (`local`) to the local tier."""
         if step != self.last_saved:
             if not bool(all_finite(self.state)):
                 self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-            self.checkpointer.save(step, self.state, loader_state=self.loader.state, config=self.config_dict,
-                                   health=self.health.saved_record())
+            if local and self.saves.local is None:  # this host has no tier; another has
+                return
+            (self.saves.local.save if local else self.checkpointer.save)(
+                step, self.state, loader_state=self.loader.state, config=self.config_dict, health=self.health.saved_record())
+            if local:
+                return
             self.health.saved(step)
             self.last_saved = step
 
@@ -557,30 +567,13 @@ class _Loop:
             "run_dir": str(self.out.path),
         }
         if end_step == self.start_step and not losses and diverged is None:
-            summary.update(self.previous_training_figures(end_step))
+            summary.update(previous_training_figures(self.out.file(SUMMARY_FILE), end_step))
         if self.downstream is not None:
             summary.update(self.downstream.summary())
         if diverged is not None:
             summary["diverged"] = diverged
         summary["goodput"] = goodput.run_report(self.out.path, self.ledger) if self.out.enabled else None
         return summary
-
-    # What the session that trained up to a step measured; a rerun of a finished run (a sweep
-    # resumed over its finished jobs, say) trains nothing and keeps them instead of nulls.
-    TRAINING_FIGURES = ("train_loss_mean_last_n", "train_loss_mean_steps", "last_step_loss", "tokens_per_s", "mfu")
-
-    def previous_training_figures(self, end_step: int) -> dict:
-        """The training figures of the run dir's summary.json when it ends at the same step."""
-        try:
-            previous = json.loads(self.out.file(SUMMARY_FILE).read_text())
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(previous, dict) or previous.get("end_step") != end_step:
-            return {}
-        kept = {k: previous[k] for k in self.TRAINING_FIGURES if previous.get(k) is not None}
-        if kept:
-            kept["training_figures_from"] = f"the session that trained to step {end_step} (this one trained no step)"
-        return kept
 
     def plot(self) -> None:
         """loss.png from the whole run (metrics.jsonl when kept, else this session's records)."""

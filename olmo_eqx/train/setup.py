@@ -13,6 +13,7 @@ import jax
 from jax.sharding import Mesh
 
 from olmo_eqx.checkpoint import CheckpointCorruptError, CheckpointMismatchError, Checkpointer
+from olmo_eqx.checkpoint.local_tier import LocalTier
 from olmo_eqx.config import Config, resume_changes
 from olmo_eqx.data.instances import InstanceDataset
 from olmo_eqx.data.loader import DataLoader
@@ -25,6 +26,7 @@ from olmo_eqx.run.run_dir import CONFIG_FILE
 from olmo_eqx.sharding import ShardingRules
 from olmo_eqx.train.divergence import SaveHealth
 from olmo_eqx.train.state import TrainState, sharded_abstract_train_state
+from olmo_eqx.train.tiers import local_steps_held, restore_local
 
 # Builds a fresh state when there is no checkpoint to resume: (config, mesh, rules) -> TrainState.
 InitState = Callable[[Config, Mesh, ShardingRules], TrainState]
@@ -55,14 +57,16 @@ def _checkpoint_dir(config: Config, run_dir: Path) -> str:
 
 def _restore_or_init(
     config: Config, checkpointer: Checkpointer, dataset: InstanceDataset, mesh: Mesh, rules: ShardingRules,
-    init_state: InitState, notes: list[str],
+    init_state: InitState, notes: list[str], local: Optional[LocalTier] = None,
 ) -> tuple[TrainState, DataLoader, int, SaveHealth, Optional[dict]]:
     """(state, loader, step, health, the run config saved with the checkpoint resumed or None):
-    from the newest checkpoint that verifies, else fresh.
+    from the newest checkpoint that verifies in either tier (the persistent one, or the local
+    one when every process holds that step), else fresh.
 
     Raises `TrainError` for every refusal (other model, data, seed, batch, sequence length)
     before the caller writes anything into the run dir. A checkpoint that fails verification
-    is set aside and the one before it used; `notes` gets one line per such step.
+    is set aside (a local one removed: it is a cache) and the one before it used; `notes` gets
+    one line per such step, and one saying which tier the run resumes from and why.
     """
     steps = checkpointer.all_steps()
     if steps and not config.checkpoint.resume:
@@ -70,18 +74,28 @@ def _restore_or_init(
             f"{checkpointer.directory} already holds checkpoints (latest step {steps[-1]}) and "
             "checkpoint.resume=false: set it to true to continue that run, or choose another checkpoint.dir / run dir"
         )
+    target = sharded_abstract_train_state(config.model, config.optim, mesh, rules) if steps or local else None
+    local_steps = local_steps_held(local, target, notes, steps[-1] if steps else None) if config.checkpoint.resume else []
+    if local is not None and not config.checkpoint.resume:
+        local.remove_after(None)  # a fresh start: the previous run's local steps are not this run's
     state, loader_state, start_step, health, stored_config = None, None, 0, SaveHealth(), None
-    if steps:
-        target = sharded_abstract_train_state(config.model, config.optim, mesh, rules)
+    candidates = sorted([(s, "persistent") for s in steps] + [(s, "local") for s in local_steps], reverse=True)
+    if candidates:
         unusable = []
-        for step in reversed(steps):
+        for step, tier in candidates:
             try:
                 with goodput.bucket("restore"):
-                    restored = checkpointer.restore(step, target=target)
+                    if tier == "local":
+                        restored = restore_local(local, step, target)
+                    else:
+                        restored = checkpointer.restore(step, target=target)
             except CheckpointMismatchError as e:
                 raise TrainError(f"cannot resume: {e}") from e
             except CheckpointCorruptError as e:
-                unusable.append(f"{e}; set aside: {checkpointer.set_aside(step, e.reason)}")
+                if tier == "local":
+                    unusable.append(f"{e}; removed from every process's local tier (a cache)")
+                else:
+                    unusable.append(f"{e}; set aside: {checkpointer.set_aside(step, e.reason)}")
                 continue
             state, loader_state, start_step = restored.state, LoaderState.from_dict(restored.loader_state), step
             stored_config = restored.config
@@ -94,7 +108,19 @@ def _restore_or_init(
                 f"{'; '.join(unusable)}. No checkpoint in {checkpointer.directory} verifies; rerunning will "
                 "start from step 0 (the damaged steps are kept under set_aside/)"
             )
-        notes.append(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step})")
+        persistent = [s for s in checkpointer.all_steps() if s <= start_step] if unusable else steps
+        newest = f"step {persistent[-1]}" if persistent else "none"
+        if tier == "local":
+            notes.append(f"Resuming from the local tier {local.root} (step {start_step}; the persistent tier's newest "
+                         f"is {newest}: {checkpointer.directory})")
+        else:
+            why = (f"; the local tier's newest step every process holds is {local_steps[0]}" if local_steps
+                   else "; the local tier holds no newer step every process has" if local is not None else "")
+            notes.append(f"Resuming from {checkpointer.directory / str(start_step)} (step {start_step}{why})")
+    if local is not None:
+        # Steps past the one resumed (not held by every process, or on another layout) would be
+        # trained again and saved anew; never mixed with this session's.
+        local.remove_after(start_step)
     try:
         loader = DataLoader(
             dataset,

@@ -318,3 +318,16 @@ def make_eval_step(mesh: Optional[Mesh] = None, rules: ShardingRules = ShardingR
         return model_loss_sums(model, _check_batch(batch), constrain)
 
     return eval_step
+
+
+def evaluate(eval_step, model, sets: dict[str, list[TokenBatch]]) -> dict[str, tuple[float, float]]:
+    """Per held-out set: (mean cross-entropy over its batches, number of target tokens), with
+    `eval_step` from `make_eval_step`."""
+    results = {}
+    for name, batches in sets.items():
+        ce = count = 0.0
+        for batch in batches:
+            sums = jax.device_get(eval_step(model, batch))
+            ce, count = ce + float(sums.ce), count + float(sums.count)
+        results[name] = (ce / max(count, 1.0), count)
+    return results
