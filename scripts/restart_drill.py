@@ -86,18 +86,10 @@ def arrays(step_dir: Path) -> list[np.ndarray]:
     """Every array of a persistent step (model and train state) as numpy."""
     import logging
 
-    import jax
-    import orbax.checkpoint as ocp
+    from olmo_eqx.checkpoint.format import step_arrays
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # "Metadata file does not exist": read as numpy, no sharding needed
-
-    leaves = []
-    for item in ("model", "train"):
-        checkpointer = ocp.PyTreeCheckpointer()
-        tree = checkpointer.metadata(step_dir / item).item_metadata.tree
-        restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        leaves += jax.tree.leaves(checkpointer.restore(step_dir / item, restore_args=restore))
-    return leaves
+    return step_arrays(step_dir)
 
 
 def finish(procs: list[subprocess.Popen]) -> str:

@@ -14,11 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
+from olmo_eqx.checkpoint.format import step_arrays
 from olmo_eqx.checkpoint.local_tier import RAM_DISK, resolve_local_dir
 
 from clihelp import TINY, olmo_eqx, xla_flags
@@ -36,13 +35,7 @@ def run(run_dir: Path, *overrides: str, devices: int = 1, local: Path | None = N
 
 def arrays(step_dir: Path) -> list[np.ndarray]:
     """Every array of a persistent step (model and train state) as numpy, whatever it was saved on."""
-    leaves = []
-    for item in ("model", "train"):
-        checkpointer = ocp.PyTreeCheckpointer()
-        tree = checkpointer.metadata(step_dir / item).item_metadata.tree
-        restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        leaves += jax.tree.leaves(checkpointer.restore(step_dir / item, restore_args=restore))
-    return leaves
+    return step_arrays(step_dir)
 
 
 def local_steps(local: Path, process: int = 0) -> list[int]:

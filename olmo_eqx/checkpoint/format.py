@@ -141,3 +141,19 @@ def _listed(list_steps, attempts: int = 5):
             if attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
+
+
+def step_arrays(step_dir: Path) -> list:
+    """Every array of a persistent step's model and train state, as host numpy arrays in tree
+    order, whatever mesh saved them (no target needed): to compare two runs' states bitwise."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    leaves = []
+    for item in ("model", "train"):
+        checkpointer = ocp.PyTreeCheckpointer()
+        tree = checkpointer.metadata(Path(step_dir) / item).item_metadata.tree
+        restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        leaves += jax.tree.leaves(checkpointer.restore(Path(step_dir) / item, restore_args=restore))
+    return leaves
