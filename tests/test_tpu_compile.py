@@ -332,3 +332,42 @@ def test_building_a_tpu_topology_off_a_tpu_vm_prints_no_libtpu_error_block():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["128", "32", "TPU", "v5"]
     assert "unexpected worker hostname" not in done.stderr and "E0000" not in done.stderr, done.stderr
+
+
+def test_a_refused_counts_only_program_is_counted_on_half_the_micro_batch(monkeypatch):
+    """At long sequences the counts-only programs (their loss chunks unrolled) can need more
+    than the step (190m, 2 x 32,768 tokens on a v5e: 29.8 GiB against the step's 9.0): the
+    estimate then counts on half the micro-batch and doubles, taking the once-per-step part
+    off once per extra part; a single sequence per device refused stays refused."""
+    from types import SimpleNamespace
+
+    import olmo_eqx.plan.estimate as estimate_module
+    from olmo_eqx.plan.compile import CompileRefused
+
+    compiled = []
+
+    def compile_counts(config, devices, effort=None):
+        compiled.append(config.data.global_batch_size)
+        if config.data.global_batch_size > limit:
+            raise CompileRefused("RESOURCE_EXHAUSTED: Ran out of memory on HBM (29.76G of 15.75G)")
+        per_sequence = config.data.global_batch_size * config.model.n_layers
+        return SimpleNamespace(cost={"flops": 1e12 * per_sequence, "bytes accessed": 1e9 * per_sequence,
+                                     "optimal_seconds": 0.01 * per_sequence})
+
+    once = {"flops": 1e11, "bytes accessed": 0.0, "optimal_seconds": 0.0, "gradient bytes": 0.0}
+    monkeypatch.setattr(estimate_module, "compile_train_step", compile_counts)
+    monkeypatch.setattr(estimate_module, "once_per_step_cost", lambda config, devices: once)
+    chip = parse_target("tpu:v5e:1x1").per_device
+    config = compose_config(["model=olmo3_190m", "data.sequence_length=32768", "data.global_batch_size=2",
+                             "trainer.micro_batches=1", "mesh.fsdp=1"])
+    devices = jax.devices()[:1]
+    limit = 2
+    whole = estimate_step(config, devices, chip, collective_bytes=0.0, kernel="splash")
+    limit, compiled = 1, []
+    halves = estimate_step(config, devices, chip, collective_bytes=0.0, kernel="splash")
+    assert compiled == [2, 1, 1]  # refused whole, then one and two layers on one sequence
+    assert halves["xla_optimal_seconds"]["counted on"].startswith("2 parts")
+    assert halves["flops"] == pytest.approx(whole["flops"] - once["flops"])
+    limit = 0
+    with pytest.raises(CompileRefused):
+        estimate_step(config, devices, chip, collective_bytes=0.0, kernel="splash")

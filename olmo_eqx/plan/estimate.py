@@ -99,19 +99,15 @@ def estimate_step(
             name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
         from olmo_eqx.train.loss import unrolled_loss_chunks
 
-        small = _with(config, micro_batches=1, global_batch=data.global_batch_size // micro)
-        with unrolled_loss_chunks():
-            one, two = (
-                compile_train_step(_with(small, model=dict(unit, scan_layers=False, n_layers=n * unit_layers)), devices,
-                                   effort=COUNTS_ONLY_EFFORT).cost
-                for n in (1, 2)
-            )
-        totals = {key: micro * (one[key] + (units - 1) * (two[key] - one[key])) for key in one.keys() & two.keys()}
+        one, two, parts = _unit_costs(config, devices, micro, unit, unit_layers)
+        totals = {key: parts * (one[key] + (units - 1) * (two[key] - one[key])) for key in one.keys() & two.keys()}
         said = {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
-        if micro > 1:
+        if parts > micro:
+            said["counted on"] = f"{parts // micro} parts of each micro-batch (the whole one was refused)"
+        if parts > 1:
             once = once_per_step_cost(config, devices)
             for key in totals.keys() & once.keys():
-                totals[key] -= (micro - 1) * once[key]
+                totals[key] -= (parts - 1) * once[key]
             summed = 2 * once["gradient bytes"] * micro  # the float32 sum, read and written
             totals["bytes accessed"] = totals.get("bytes accessed", 0.0) + summed
             if totals.get("optimal_seconds", 0.0) > 0:
@@ -160,6 +156,40 @@ def estimate_step(
         "xla_optimal_seconds": said,
         "estimate_unit": name,
     }
+
+
+def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tuple[dict, dict, int]:
+    """XLA's cost analysis of the one- and two-unit programs, and how many of their batches
+    make the step: first on one micro-batch. At long sequences the compiler can refuse those
+    counts-only programs for memory (their loss chunks unrolled: 29.8 GiB for the 190m's 2 x
+    32,768 tokens on a v5e, whose step needs 9.0): they are then compiled on half the
+    micro-batch, a quarter, ..., while each device keeps a sequence: every count but the
+    once-per-step part (taken off by the caller) is linear in a program's sequences. (The
+    600m's one sequence of 32,768 still asks 20.6 GiB, at this effort and at the default
+    one: its 32 unrolled loss chunks keep their float32 logits; no estimate there.)"""
+    from olmo_eqx.plan.compile import CompileRefused, _batch_shards
+    from olmo_eqx.sharding import ShardingRules, make_mesh
+    from olmo_eqx.train.loss import unrolled_loss_chunks
+
+    def one_and_two(small) -> tuple[dict, dict]:
+        with unrolled_loss_chunks():
+            return tuple(
+                compile_train_step(_with(small, model=dict(unit, scan_layers=False, n_layers=n * unit_layers)),
+                                   devices, effort=COUNTS_ONLY_EFFORT).cost
+                for n in (1, 2)
+            )
+
+    global_batch, parts = config.data.global_batch_size, micro
+    while True:
+        small = _with(config, micro_batches=1, global_batch=global_batch // parts)
+        try:
+            return (*one_and_two(small), parts)
+        except CompileRefused:
+            smaller = global_batch // (2 * parts)
+            if global_batch % (2 * parts) or not smaller or smaller % _batch_shards(make_mesh(config.mesh, devices),
+                                                                                    ShardingRules()):
+                raise
+        parts *= 2
 
 
 def step_seconds(row: dict) -> Optional[float]:
