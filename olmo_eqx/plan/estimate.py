@@ -4,7 +4,7 @@ with one and two layers (or attention cycles) unrolled, extrapolated, and a roof
 import time
 from typing import Optional
 
-from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT, _with, compile_train_step, once_per_step_cost
+from olmo_eqx.plan.compile import COUNTS_ONLY_EFFORT, CompileRefused, _with, compile_train_step, once_per_step_cost
 from olmo_eqx.plan.targets import Chip
 
 
@@ -164,10 +164,9 @@ def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tu
     counts-only programs for memory (their loss chunks unrolled: 29.8 GiB for the 190m's 2 x
     32,768 tokens on a v5e, whose step needs 9.0): they are then compiled on half the
     micro-batch, a quarter, ..., while each device keeps a sequence: every count but the
-    once-per-step part (taken off by the caller) is linear in a program's sequences. (The
-    600m's one sequence of 32,768 still asks 20.6 GiB, at this effort and at the default
-    one: its 32 unrolled loss chunks keep their float32 logits; no estimate there.)"""
-    from olmo_eqx.plan.compile import CompileRefused, _batch_shards
+    once-per-step part (taken off by the caller) is linear in a program's sequences. Where one
+    sequence is refused too, the loss chunks are counted in their loop (`_loss_loop_counted`)."""
+    from olmo_eqx.plan.compile import _batch_shards
     from olmo_eqx.sharding import ShardingRules, make_mesh
     from olmo_eqx.train.loss import unrolled_loss_chunks
 
@@ -188,8 +187,29 @@ def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tu
             smaller = global_batch // (2 * parts)
             if global_batch % (2 * parts) or not smaller or smaller % _batch_shards(make_mesh(config.mesh, devices),
                                                                                     ShardingRules()):
-                raise
+                return (*_loss_loop_counted(small, devices, unit, unit_layers), parts)
         parts *= 2
+
+
+def _loss_loop_counted(small, devices, unit: dict, unit_layers: int) -> tuple[dict, dict]:
+    """The one- and two-unit programs' counts with the loss chunks left in their loop, which
+    XLA counts once: a third compile with chunks twice as long gives one chunk's cost (the
+    difference: a chunk's work is linear in its length), added for the other n - 1 chunks.
+    The last resort where even one sequence with its chunks unrolled is refused (the 600m at
+    32,768 tokens on a v5e: 20.6 GiB); `CompileRefused` if the looped programs are too."""
+    chunk = small.model.loss_chunk_size
+    chunks = -(-(small.data.sequence_length - 1) // chunk)
+    if chunks < 2:
+        raise CompileRefused("the loss is one chunk: nothing to count in a loop")
+
+    def cost(n: int, chunk_size: int) -> dict:
+        model = dict(unit, scan_layers=False, n_layers=n * unit_layers, loss_chunk_size=chunk_size)
+        return compile_train_step(_with(small, model=model), devices, effort=COUNTS_ONLY_EFFORT).cost
+
+    one, longer, two = cost(1, chunk), cost(1, 2 * chunk), cost(2, chunk)
+    keys = one.keys() & longer.keys() & two.keys()
+    others = {key: (chunks - 1) * (longer[key] - one[key]) for key in keys}
+    return {key: one[key] + others[key] for key in keys}, {key: two[key] + others[key] for key in keys}
 
 
 def step_seconds(row: dict) -> Optional[float]:
@@ -203,8 +223,6 @@ def step_seconds(row: dict) -> Optional[float]:
 
 def add_estimate(result: dict, config, devices, chip: Chip) -> dict:
     """Add the step-time and MFU estimates (`estimate_step`) to a plan that compiled."""
-    from olmo_eqx.plan.compile import CompileRefused
-
     started = time.perf_counter()
     collective_bytes = float(sum(t["bytes"] for t in result["collectives"].values()))
     try:
