@@ -38,6 +38,9 @@ def test_an_int8_matmul_is_close_to_the_float_one_forward_and_backward():
     for got, want in zip(int8, exact):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert 1e-4 < _relative_error(got, want) < 0.03  # quantized (not exact), and close
+    # [batch, seq, d] (dense's form when the sequence is sharded) scales per token as the flat form does.
+    batched = quantized_matmul(x.reshape(4, 64, 128), w, "int8")
+    np.testing.assert_allclose(batched.reshape(256, 96), int8[0], rtol=1e-6, atol=1e-6)
 
 
 def test_the_quantized_program_multiplies_int8_operands():

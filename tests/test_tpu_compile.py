@@ -366,7 +366,7 @@ def test_a_refused_counts_only_program_is_counted_on_half_the_micro_batch(monkey
     limit, compiled = 1, []
     halves = estimate_step(config, devices, chip, collective_bytes=0.0, kernel="splash")
     assert compiled == [2, 1, 1]  # refused whole, then one and two layers on one sequence
-    assert halves["xla_optimal_seconds"]["counted on"].startswith("2 parts")
+    assert halves["counted_on"] == "each micro-batch in 2 parts (a whole one was refused)" and whole["counted_on"] is None
     assert halves["flops"] == pytest.approx(whole["flops"] - once["flops"])
     limit = 0
     with pytest.raises(CompileRefused):

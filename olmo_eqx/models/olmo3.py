@@ -62,12 +62,15 @@ def dense(
     has no layout GSPMD can keep, so the 3-D form stays.
     """
     weight = weight.astype(x.dtype)
-    if quantization is not None:
-        flat = quantized_matmul(x.reshape(-1, x.shape[-1]), weight, quantization, out_dtype=out_dtype)
-        return flat.reshape(*x.shape[:-1], weight.shape[-1])
     if sequence_sharded(constrain, x.shape):
+        if quantization is not None:
+            return quantized_matmul(x, weight, quantization, out_dtype=out_dtype)
         return jnp.einsum("bsd,df->bsf", x, weight, preferred_element_type=out_dtype)
-    flat = jnp.matmul(x.reshape(-1, x.shape[-1]), weight, preferred_element_type=out_dtype)
+    flat = x.reshape(-1, x.shape[-1])
+    if quantization is not None:
+        flat = quantized_matmul(flat, weight, quantization, out_dtype=out_dtype)
+    else:
+        flat = jnp.matmul(flat, weight, preferred_element_type=out_dtype)
     return flat.reshape(*x.shape[:-1], weight.shape[-1])
 
 

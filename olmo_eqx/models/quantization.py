@@ -28,8 +28,6 @@ from jaxtyping import Array, Float
 # The values `model.quantization` takes besides null (bf16/float32 matmuls as the compute dtype says).
 QUANTIZATIONS = ("int8",)
 
-# A 2-D matmul x[tokens, d_in] @ w[d_in, d_out]: contract x's last axis with w's first.
-_MATMUL = (((1,), (0,)), ((), ()))
 
 
 class QuantizationUnavailable(ImportError):
@@ -50,7 +48,7 @@ def _qwix_int8():
         lhs_qtype=int8, rhs_qtype=int8,  # forward: activations and weights
         dlhs_grad_qtype=int8, drhs_grad_qtype=int8,  # backward: the incoming gradient of both matmuls
     )
-    return functools.partial(qt.dot_general_qt, dimension_numbers=_MATMUL, config=config)
+    return functools.partial(qt.dot_general_qt, config=config)
 
 
 def check_available(quantization: Optional[str]) -> None:
@@ -61,11 +59,12 @@ def check_available(quantization: Optional[str]) -> None:
 
 
 def quantized_matmul(
-    x: Float[Array, "tokens d_in"], weight: Float[Array, "d_in d_out"], quantization: str, *, out_dtype=None
-) -> Float[Array, "tokens d_out"]:
+    x: Float[Array, "*tokens d_in"], weight: Float[Array, "d_in d_out"], quantization: str, *, out_dtype=None
+) -> Float[Array, "*tokens d_out"]:
     """x @ weight with both operands (and, in the backward pass, the incoming gradient) in
-    `quantization`'s integer type; the result in `out_dtype` (default x's)."""
+    `quantization`'s integer type, x scaled per token; the result in `out_dtype` (default x's)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}: use one of {list(QUANTIZATIONS)} or null")
-    out = _qwix_int8()(x, weight.astype(x.dtype))
+    contract_last_with_first = (((x.ndim - 1,), (0,)), ((), ()))
+    out = _qwix_int8()(x, weight.astype(x.dtype), contract_last_with_first)
     return out.astype(out_dtype or x.dtype)

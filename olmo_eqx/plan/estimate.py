@@ -87,6 +87,7 @@ def estimate_step(
     from olmo_eqx.models.flops import attention_flops_per_token
 
     model, data = config.model, config.data
+    counted_on = None  # how the counts were taken, where not the usual way
     if loop_free_cost is not None:  # XLA counted the whole program as it runs: it is the step
         name, totals = "step", loop_free_cost
         said = {"the program": loop_free_cost.get("optimal_seconds")}
@@ -99,11 +100,9 @@ def estimate_step(
             name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
         from olmo_eqx.train.loss import unrolled_loss_chunks
 
-        one, two, parts = _unit_costs(config, devices, micro, unit, unit_layers)
+        one, two, parts, counted_on = _unit_costs(config, devices, micro, unit, unit_layers)
         totals = {key: parts * (one[key] + (units - 1) * (two[key] - one[key])) for key in one.keys() & two.keys()}
         said = {f"one {name}": one.get("optimal_seconds"), f"two {name}s": two.get("optimal_seconds")}
-        if parts > micro:
-            said["counted on"] = f"{parts // micro} parts of each micro-batch (the whole one was refused)"
         if parts > 1:
             once = once_per_step_cost(config, devices)
             for key in totals.keys() & once.keys():
@@ -155,12 +154,13 @@ def estimate_step(
         # answered a negative `optimal_seconds` (the 7B on 512 v5p chips: -1.77 s and -1.61 s).
         "xla_optimal_seconds": said,
         "estimate_unit": name,
+        "counted_on": counted_on,
     }
 
 
-def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tuple[dict, dict, int]:
-    """XLA's cost analysis of the one- and two-unit programs, and how many of their batches
-    make the step: first on one micro-batch. At long sequences the compiler can refuse those
+def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tuple[dict, dict, int, Optional[str]]:
+    """XLA's cost analysis of the one- and two-unit programs, how many of their batches make
+    the step, and how they were counted where not the usual way: first on one micro-batch. At long sequences the compiler can refuse those
     counts-only programs for memory (their loss chunks unrolled: 29.8 GiB for the 190m's 2 x
     32,768 tokens on a v5e, whose step needs 9.0): they are then compiled on half the
     micro-batch, a quarter, ..., while each device keeps a sequence: every count but the
@@ -181,13 +181,16 @@ def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tu
     global_batch, parts = config.data.global_batch_size, micro
     while True:
         small = _with(config, micro_batches=1, global_batch=global_batch // parts)
+        split = None if parts == micro else f"each micro-batch in {parts // micro} parts (a whole one was refused)"
         try:
-            return (*one_and_two(small), parts)
+            return (*one_and_two(small), parts, split)
         except CompileRefused:
             smaller = global_batch // (2 * parts)
             if global_batch % (2 * parts) or not smaller or smaller % _batch_shards(make_mesh(config.mesh, devices),
                                                                                     ShardingRules()):
-                return (*_loss_loop_counted(small, devices, unit, unit_layers), parts)
+                looped = "the loss chunks in their loop (one sequence with them unrolled was refused)"
+                return (*_loss_loop_counted(small, devices, unit, unit_layers), parts,
+                        "; ".join(filter(None, [split, looped])))
         parts *= 2
 
 

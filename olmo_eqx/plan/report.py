@@ -172,5 +172,7 @@ def format_estimate(p: dict) -> str:
         raw = est.get("xla_optimal_seconds") or {}
         said = ", ".join(f"{k} {seconds(v)} s" for k, v in raw.items() if v is not None) or "nothing"
         lines.append(f"  XLA's cost model: no usable step time (its optimal_seconds: {said}); the roofline stands alone")
+    if est.get("counted_on"):
+        lines.append(f"  (XLA's counts taken on {est['counted_on']})")
     lines += [f"  (published: {figure})" for model, figure in PUBLISHED_MFU if model == p["model"]]
     return "\n".join(lines)

@@ -462,12 +462,12 @@ class _Loop:
         if step != self.last_saved:
             if not bool(all_finite(self.state)):
                 self.diverged(step, f"the weights or optimiser state hold non-finite values after step {step}")
-            if local and self.saves.local is None:  # this host has no tier; another has
+            saved = dict(loader_state=self.loader.state, config=self.config_dict, health=self.health.saved_record())
+            if local:  # a cache beside the persistent tier: the health record and last_saved stay the persistent tier's
+                if self.saves.local is not None:  # None: this host found no room for a tier that another host has
+                    self.saves.local.save(step, self.state, **saved)
                 return
-            (self.saves.local.save if local else self.checkpointer.save)(
-                step, self.state, loader_state=self.loader.state, config=self.config_dict, health=self.health.saved_record())
-            if local:
-                return
+            self.checkpointer.save(step, self.state, **saved)
             self.health.saved(step)
             self.last_saved = step
 
