@@ -153,7 +153,7 @@ def test_steps_trained_again_move_to_lost_and_the_downtime_stays_outside():
     assert result["down_between_sessions_s"] == pytest.approx((60 - 54) + (80 - 74))
     assert set(result["buckets"]) == set(REPORT_BUCKETS)
     line = report_line(result)
-    assert line.startswith("goodput 74.3% of 74.0 s over 3 sessions: steps 55.0 s, lost 8.0 s, ")
+    assert line.startswith("goodput 74.3% of 74.0 s (from each process's start) over 3 sessions: steps 55.0 s, lost 8.0 s, ")
     assert line.endswith("(8 step(s) trained again); 12.0 s down between sessions (not in the wall time)")
     # A later session that went back further than an earlier one started loses all of it.
     back = report([first, second, session(3, 80.0, {"steps": 1.0}, 0, 1, [[0, 0.0], [1, 1.0]])])
@@ -260,6 +260,8 @@ def test_a_stop_and_a_kill_are_three_sessions_and_the_steps_trained_twice_are_lo
     # Session 2 trained steps 7..N (N >= 9), none saved: session 3 trained them again.
     assert killed["last_step"] >= 9 and result["lost_steps"] == killed["last_step"] - 6
     assert [s["lost_steps"] for s in result["per_session"]] == [0, killed["last_step"] - 6, 0]
+    # How each ended, as the final summary says it: the writer names its own session's end.
+    assert [s["ended"] for s in result["per_session"]] == ["stopped", None, "stopped"]
     killed_steps = killed["buckets"]["steps"]
     assert 0 < result["lost_s"] <= killed_steps
     assert result["per_session"][1]["buckets"]["steps"] == pytest.approx(killed_steps - result["lost_s"])

@@ -309,7 +309,7 @@ class Ledger:
 
     def finish(self, summary: dict) -> dict:
         """The session's summary, noted for its last record: finished or stopped."""
-        self.outcome = "finished" if summary.get("stage_completed") else "stopped"
+        self.outcome = outcome(summary)
         return summary
 
     def end(self, how: str) -> None:
@@ -497,11 +497,16 @@ def report(sessions: list[dict]) -> dict:
     }
 
 
-def run_report(run_dir: Path, ledger: Ledger) -> dict:
-    """The report of the run dir's sessions, this one (`ledger`) as it stands now (`ended`:
-    "running")."""
+def outcome(summary: dict) -> str:
+    """How a session whose summary this is ended: "finished" (its stage completed) or "stopped"."""
+    return "finished" if summary.get("stage_completed") else "stopped"
+
+
+def run_report(run_dir: Path, ledger: Ledger, ended: Optional[str] = None) -> dict:
+    """The report of the run dir's sessions, this one (`ledger`) as it stands now: `ended` where
+    the caller knows how it ends (the final summary), else "running"."""
     record = ledger.record()
-    record["ended"] = record["ended"] or "running"
+    record["ended"] = record["ended"] or ended or "running"
     return report([*(s for s in read_sessions(run_dir) if s["session"] != record["session"]), record])
 
 
@@ -511,7 +516,8 @@ def report_line(goodput: dict) -> str:
     n = goodput["sessions"]
     parts = [f"{name} {seconds:.1f} s" for name, seconds in
              sorted(goodput["buckets"].items(), key=lambda kv: -kv[1]) if seconds >= 0.05]
-    line = f"goodput {share} of {goodput['wall_s']:.1f} s over {n} session{'s' if n != 1 else ''}: {', '.join(parts)}"
+    sessions = f"{n} session{'s' if n != 1 else ''}"
+    line = f"goodput {share} of {goodput['wall_s']:.1f} s (from each process's start) over {sessions}: {', '.join(parts)}"
     if goodput["lost_steps"]:
         line += f" ({goodput['lost_steps']} step(s) trained again)"
     if n > 1:

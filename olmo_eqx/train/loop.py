@@ -370,7 +370,7 @@ class _Loop:
         ignore_signals_after_completion(self.out.print)  # saved and summarised: the exit status stays 0
         self.plot()
         if summary["goodput"] is not None:  # again, with the plot's seconds
-            summary["goodput"] = goodput.run_report(self.out.path, self.ledger)
+            summary["goodput"] = goodput.run_report(self.out.path, self.ledger, ended=goodput.outcome(summary))
             self.out.write_summary(summary)
         took = f"{summary['wall_time_s']:.1f}s"
         if end_step == trainer.steps:
@@ -380,7 +380,9 @@ class _Loop:
         plot = f" | plot: {self.out.file(PLOT_FILE)}" if self.trainer.plot else ""
         self.out.print(
             f"\n{status} | summary: {summary_path}{plot}"
-            f"\n{json.dumps(summary, indent=2)}" + (f"\n{goodput.report_line(summary['goodput'])}" if summary["goodput"] else "")
+            # summary.json holds the goodput report whole; here its one line.
+            f"\n{json.dumps({k: v for k, v in summary.items() if k != 'goodput'}, indent=2)}"
+            + (f"\n{goodput.report_line(summary['goodput'])}" if summary["goodput"] else "")
         )
         return summary
 
