@@ -81,8 +81,12 @@ class CheckpointConfig:
     local_keep: int = 2  # the newest local steps kept (each process its own)
 
     def __post_init__(self):
-        if self.every < 0 or self.keep_last < 1 or self.local_every < 0 or self.local_keep < 1:
-            raise ValueError(f"every={self.every} and local_every={self.local_every} must be >= 0 (0: off), keep_last={self.keep_last} and local_keep={self.local_keep} >= 1")
+        bad = [f"{key}={value} must be >= {least}{' (0: off)' if least == 0 else ''}"
+               for key, value, least in (("every", self.every, 0), ("local_every", self.local_every, 0),
+                                         ("keep_last", self.keep_last, 1), ("local_keep", self.local_keep, 1))
+               if value < least]
+        if bad:
+            raise ValueError("; ".join(bad))
 
 
 @dataclass(frozen=True)
