@@ -80,14 +80,6 @@ class CheckpointConfig:
     local_every: int = 0  # a local save every this many steps; 0: no local tier
     local_keep: int = 2  # the newest local steps kept (each process its own)
 
-    def __post_init__(self):
-        bad = [f"{key}={value} must be >= {least}{' (0: off)' if least == 0 else ''}"
-               for key, value, least in (("every", self.every, 0), ("local_every", self.local_every, 0),
-                                         ("keep_last", self.keep_last, 1), ("local_keep", self.local_keep, 1))
-               if value < least]
-        if bad:
-            raise ValueError("; ".join(bad))
-
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -371,7 +363,11 @@ def _numbers_out_of_range(config: Config) -> list[str]:
         ("schedule.decay_fraction", s.decay_fraction, 0 <= s.decay_fraction <= 1, "in [0, 1]"),
         ("data.remote_timeout_s", d.remote_timeout_s, d.remote_timeout_s > 0, "> 0"),
         ("data.remote_backoff_s", d.remote_backoff_s, d.remote_backoff_s >= 0, ">= 0"),
+        ("checkpoint.every", c.every, c.every >= 0, ">= 0 (0: only at the end and on a signal)"),
+        ("checkpoint.keep_last", c.keep_last, c.keep_last >= 1, ">= 1"),
         ("checkpoint.keep_every", c.keep_every, c.keep_every is None or c.keep_every >= 1, ">= 1 (null: none extra)"),
+        ("checkpoint.local_every", c.local_every, c.local_every >= 0, ">= 0 (0: no local tier)"),
+        ("checkpoint.local_keep", c.local_keep, c.local_keep >= 1, ">= 1"),
         ("trainer.runaway_loss_steps", config.trainer.runaway_loss_steps, config.trainer.runaway_loss_steps >= 1, ">= 1"),
     ]
     # NaN fails every comparison above, so it is refused too.
