@@ -285,11 +285,17 @@ def remove_if_new_and_empty(path: Path) -> bool:
     path = Path(path).resolve()
     if path not in _new_run_dirs or not path.is_dir():
         return False
-    entries = list(path.iterdir())
-    if any(p.name not in _HYDRA_FILES for p in entries) or any(p.is_file() and p.stat().st_size for p in entries):
-        return False
-    shutil.rmtree(path)
-    _remove_with_new_parents(path)
+    # The processes of one run share its run dir, and each refuses a bad config on its own: they
+    # may remove it at the same time. Whatever another removed first is gone, as wanted (a
+    # FileNotFoundError here once made process 0 exit 1 where its peer exited 2).
+    try:
+        entries = list(path.iterdir())
+        if any(p.name not in _HYDRA_FILES for p in entries) or any(p.is_file() and p.stat().st_size for p in entries):
+            return False
+        shutil.rmtree(path)
+        _remove_with_new_parents(path)
+    except FileNotFoundError:
+        pass
     return True
 
 
