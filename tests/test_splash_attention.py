@@ -62,8 +62,11 @@ CASES = {
     "window-mha": dict(seq=200, heads=2, kv_heads=2, sliding_window=48, block_size=128),
     # the default 512 block is clipped to the padded sequence (256)
     "wide-window": dict(seq=200, heads=4, kv_heads=2, sliding_window=1000, block_size=512),
-    # 5 key blocks: the backward's separate dq kernel (up to 4, one fused kernel)
+    # 5 key blocks, causal: one fused backward kernel still (its dq copies are few bytes),
+    # the examples run one at a time (lax.map)
     "five-blocks": dict(seq=600, heads=2, kv_heads=1, sliding_window=None, block_size=128),
+    # 5 key blocks, sliding window: the backward's separate dq kernel
+    "five-blocks-window": dict(seq=600, heads=2, kv_heads=1, sliding_window=200, block_size=128),
 }
 
 
@@ -158,13 +161,22 @@ def test_a_policy_keeping_the_context_keeps_the_kernels_residuals(capsys):
 
 
 def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_few():
-    """The fused backward holds one partial dq per key block: a long context keeps the
-    separate dq kernel."""
-    fused = lambda seq: splash._kernel(seq, 2, None, 128, True).tree_flatten()[1]["block_sizes"].use_fused_bwd_kernel  # noqa: E731
-    assert fused(128 * splash.FUSED_BACKWARD_MAX_KEY_BLOCKS)
-    assert not fused(128 * (splash.FUSED_BACKWARD_MAX_KEY_BLOCKS + 1))
+    """The fused backward holds one partial dq per key block: past 4 key blocks only a causal
+    layer whose copies stay under FUSED_BACKWARD_MAX_DQ_BYTES keeps it; a sliding-window
+    layer keeps the separate dq kernel."""
+    def fused(seq, heads=2, window=None, head_dim=64):
+        kernel = splash._kernel(seq, heads, window, 128, True, head_dim=head_dim)
+        return kernel.tree_flatten()[1]["block_sizes"].use_fused_bwd_kernel
+
+    short = 128 * splash.FUSED_BACKWARD_MAX_KEY_BLOCKS
+    assert fused(short) and fused(short, window=100)
+    assert fused(short + 128) and not fused(short + 128, window=100)
     # What the planner's estimate asks, as splash_attention pads and blocks a sequence: OLMo
-    # 3's 4096 tokens in 1024-token blocks fuse, in 512-token blocks (8 key blocks) do not; a
-    # short sequence is one clipped block.
-    assert splash.fused_backward(4096, 1024) and not splash.fused_backward(4096, 512)
-    assert splash.fused_backward(300, 1024) and not splash.fused_backward(65536, 1024)
+    # 3's 4096 tokens in 1024-token blocks fuse; 32,768 tokens fuse on olmo3_190m's causal
+    # layers (12 heads of 64: 32 copies of 12 x 32768 x 128 lanes in bf16, 3 GiB), not on
+    # olmo3_600m's (16 heads: 4 GiB) nor on any sliding-window layer; nor 65,536 tokens.
+    fuses = functools.partial(splash.fused_backward, block_size=1024)
+    assert fuses(4096) and fuses(4096, heads=16, head_dim=80, sliding_window=4096)
+    assert fuses(32768, heads=12, head_dim=64) and not fuses(32768, heads=12, head_dim=64, sliding_window=4096)
+    assert not fuses(32768, heads=16, head_dim=80) and not fuses(65536, heads=12, head_dim=64)
+    assert splash.fused_backward(300, 1024) and not splash.fused_backward(4096, 512)  # key blocks only

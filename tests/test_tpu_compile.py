@@ -203,12 +203,14 @@ def test_an_attention_kernel_runs_at_the_share_of_the_mxu_its_heads_fill():
 def test_the_estimate_counts_the_kernel_as_it_runs(monkeypatch):
     """Splash's share of the estimate, with XLA's counts stubbed (they are checked above):
     at the MXU share of OLMo 3's 80-wide heads on a v5e, its forward counted again under
-    `full` remat, and the separate dq kernel of 512-token blocks (8 key blocks: no fused
-    backward) counted with the two matmuls it repeats, 9/7 of the fused kernel's work
-    (11/9 when the forward also runs twice)."""
+    `full` remat, and where the backward is the separate dq kernel (at 8,192 tokens in
+    1024-token blocks: the sliding-window layers, 60% of the count) that share counted with
+    the two matmuls it repeats, 9/7 of the fused kernel's work (11/9 when the forward also
+    runs twice)."""
     from types import SimpleNamespace
 
     import olmo_eqx.plan.estimate as estimate_module
+    from olmo_eqx.models import splash
 
     counts = {"flops": 1e12, "bytes accessed": 1e9, "optimal_seconds": 0.01}
     monkeypatch.setattr(estimate_module, "compile_train_step", lambda config, devices, effort=None: SimpleNamespace(cost=counts))
@@ -216,16 +218,18 @@ def test_the_estimate_counts_the_kernel_as_it_runs(monkeypatch):
                         lambda config, devices: {**dict.fromkeys(counts, 0.0), "gradient bytes": 0.0})
     chip = parse_target("tpu:v5e:1x1").per_device
 
-    def kernel(remat: str, block: int) -> dict:
-        config = compose_config(["model=olmo3_600m", f"model.remat={remat}", f"model.attention_block_size={block}",
-                                 "data.sequence_length=4096", "data.global_batch_size=16", "trainer.micro_batches=8"])
+    def kernel(remat: str, seq: int = 4096) -> dict:
+        config = compose_config(["model=olmo3_600m", f"model.remat={remat}", f"data.sequence_length={seq}",
+                                 f"data.global_batch_size={16 * 4096 // seq}", "trainer.micro_batches=8"])
         return estimate_step(config, [None], chip, collective_bytes=0.0, kernel="splash")
 
-    kept, recomputed = kernel("save_context", 1024), kernel("full", 1024)
+    kept, recomputed = kernel("save_context"), kernel("full")
     assert recomputed["kernel_flops"] == pytest.approx(kept["kernel_flops"] * 16 / 12)
     assert kept["kernel_seconds"] == pytest.approx(kept["kernel_flops"] / (chip.peak_bf16_flops * 80 / 128))
-    assert kernel("save_context", 512)["kernel_flops"] == pytest.approx(kept["kernel_flops"] * 9 / 7)
-    assert kernel("full", 512)["kernel_flops"] == pytest.approx(recomputed["kernel_flops"] * 11 / 9)
+    long_kept, long_recomputed = kernel("save_context", 8192), kernel("full", 8192)
+    monkeypatch.setattr(splash, "FUSED_BACKWARD_MAX_KEY_BLOCKS", 64)  # every layer fused
+    assert long_kept["kernel_flops"] == pytest.approx(kernel("save_context", 8192)["kernel_flops"] * (1 + 0.6 * 2 / 7))
+    assert long_recomputed["kernel_flops"] == pytest.approx(kernel("full", 8192)["kernel_flops"] * (1 + 0.6 * 2 / 9))
 
 
 def test_a_refused_estimate_leaves_the_layout_without_one(monkeypatch):

@@ -27,8 +27,11 @@ from jaxtyping import Array, Float, Int
 LANES = 128
 
 
-# The most key blocks for which the backward pass runs as one fused kernel (see _kernel).
+# The most key blocks for which the backward pass always runs as one fused kernel (see _kernel).
 FUSED_BACKWARD_MAX_KEY_BLOCKS = 4
+# Past that, a causal (full-attention) layer still fuses while one sequence's partial dq copies
+# take at most this many bytes (see _kernel).
+FUSED_BACKWARD_MAX_DQ_BYTES = int(3.5 * 2**30)
 # The checkpoint name of the attention context (models/olmo3.py's Attention.output).
 RESIDUAL_NAME = "attention_context"
 
@@ -37,16 +40,38 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def fused_backward(seq: int, block_size: int) -> bool:
+def fused_backward(
+    seq: int,
+    block_size: int,
+    *,
+    heads: Optional[int] = None,
+    head_dim: int = LANES,
+    sliding_window: Optional[int] = None,
+) -> bool:
     """Whether the backward pass of a `seq`-token sequence in `block_size` blocks runs as one
-    fused kernel (see _kernel), as `splash_attention` pads and blocks it."""
+    fused kernel (see _kernel), as `splash_attention` pads and blocks it, for a layer of
+    `heads` heads of `head_dim` with `sliding_window` (None: causal over the whole sequence).
+    Without `heads`, only the key-block rule (context parallelism's kernels)."""
     block = min(block_size, _round_up(seq, LANES))
-    return _round_up(seq, block) // block <= FUSED_BACKWARD_MAX_KEY_BLOCKS
+    padded = _round_up(seq, block)
+    key_blocks = padded // block
+    if key_blocks <= FUSED_BACKWARD_MAX_KEY_BLOCKS:
+        return True
+    if heads is None or (sliding_window is not None and sliding_window < seq):
+        return False
+    # One bf16 dq per key block, its head_dim padded to the 128 lanes of the TPU's tiles.
+    return key_blocks * heads * padded * _round_up(head_dim, LANES) * 2 <= FUSED_BACKWARD_MAX_DQ_BYTES
 
 
 @functools.lru_cache(maxsize=64)
 def _kernel(
-    seq: int, heads: int, sliding_window: Optional[int], block: int, interpret: bool, q_seq_shards: int = 1
+    seq: int,
+    heads: int,
+    sliding_window: Optional[int],
+    block: int,
+    interpret: bool,
+    q_seq_shards: int = 1,
+    head_dim: int = LANES,
 ) -> splash.SplashAttentionKernel:
     # Building a kernel walks the mask block by block in numpy; cache it so each layer kind
     # pays that once per shape, not once per trace.
@@ -60,9 +85,15 @@ def _kernel(
     # dq beside dk and dv (the separate dq kernel would compute the scores a third time):
     # olmo3_600m on a v5e, full remat, 16 x 4096: 3.29 -> 3.15 s a step (docs/performance.md).
     # It writes one partial dq per key block and sums them after, so it holds that many copies
-    # of dq: fine at 4 (4096 tokens in 1024-token blocks, what was measured), not at a long
-    # context's 64, which keeps the separate dq kernel.
-    fused = fused_backward(seq, block)
+    # of dq: fine at 4 (4096 tokens in 1024-token blocks). Past that only a causal layer fuses,
+    # and only while the copies stay small (FUSED_BACKWARD_MAX_DQ_BYTES; splash_attention then
+    # runs the examples one at a time): on olmo3_190m at 32,768 tokens a full layer's backward
+    # went 138 -> 99 ms. A sliding-window layer keeps the separate dq kernel: the fused kernel
+    # walks every (query, key) block pair, masked ones too, and ran no faster there (37 ms
+    # against 38), holding 32 copies for nothing (docs/performance.md, long sequences).
+    # Context parallelism's kernels (q_seq_shards > 1) keep the key-block rule: not measured past it.
+    layer = dict(heads=heads, head_dim=head_dim, sliding_window=sliding_window) if q_seq_shards == 1 else {}
+    fused = fused_backward(seq, block, **layer)
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -132,8 +163,20 @@ def splash_attention(
     if segment_ids is not None:  # padding continues the last document; causality hides it
         segment_ids = jnp.pad(segment_ids, [(0, 0), (0, padded - seq)], mode="edge")
     q, k, v = (_heads_major(jnp.pad(x, pad)) for x in (_scaled(q), k, v))
-    kernel = _kernel(padded, q.shape[1], sliding_window, block, interpret)
-    out = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=_segments(seg)))(q, k, v, segment_ids)
+    heads, head_dim = q.shape[1], q.shape[-1]
+    kernel = _kernel(padded, heads, sliding_window, block, interpret, head_dim=head_dim)
+
+    def one(q, k, v, seg):
+        return kernel(q, k, v, segment_ids=_segments(seg))
+
+    key_blocks = padded // block
+    copies = key_blocks * heads * padded * _round_up(head_dim, LANES) * 2 * q.shape[0]
+    fused = fused_backward(padded, block, heads=heads, head_dim=head_dim, sliding_window=sliding_window)
+    if fused and key_blocks > FUSED_BACKWARD_MAX_KEY_BLOCKS and copies > FUSED_BACKWARD_MAX_DQ_BYTES:
+        # The partial dq copies were sized for one example: hold one example's at a time.
+        out = jax.lax.map(lambda args: one(*args), (q, k, v, segment_ids))
+    else:
+        out = jax.vmap(one)(q, k, v, segment_ids)
     return jnp.swapaxes(out, 1, 2)[:, :seq]
 
 

@@ -126,12 +126,19 @@ def estimate_step(
             from olmo_eqx.models.attention import SPLASH_BLOCK
             from olmo_eqx.models.splash import fused_backward
 
-            if not fused_backward(data.sequence_length, model.attention_block_size or SPLASH_BLOCK):
-                # The formula's count stands for the fused backward, where the kernel's MXU
-                # share was checked on the chip: 5 matmuls (q k^T again, p^T dO, dO v^T, dk,
-                # dq). Its separate dq kernel computes q k^T and dO v^T once more: 7.
-                forward = 2 * (2 if recomputed else 1)  # q k^T and p v, once or twice
-                kernel_flops *= (forward + 7) / (forward + 5)
+            # The formula's count stands for the fused backward, where the kernel's MXU share
+            # was checked on the chip: 5 matmuls (q k^T again, p^T dO, dO v^T, dk, dq). The
+            # separate dq kernel (long sequences; at those, sliding-window layers) computes
+            # q k^T and dO v^T once more: 7.
+            forward = 2 * (2 if recomputed else 1)  # q k^T and p v, once or twice
+            block, seq = model.attention_block_size or SPLASH_BLOCK, data.sequence_length
+            separate = 0
+            for layer in range(model.n_layers):
+                window = model.sliding_window if model.is_sliding(layer) else None
+                if not fused_backward(seq, block, heads=model.n_heads, head_dim=model.head_dim, sliding_window=window):
+                    separate += min(window or seq, seq)  # the layer's share of the count goes as its context
+            contexts = sum(min(model.sliding_window, seq) if model.is_sliding(i) else seq for i in range(model.n_layers))
+            kernel_flops *= 1 + (separate / contexts) * (2 / (forward + 5))
     kernel_s = kernel_flops / (chip.peak_bf16_flops * kernel_mxu_fill(model, chip))
     compute_s = (flops or 0.0) / chip.peak_bf16_flops + kernel_s
     flops = (flops or 0.0) + kernel_flops
