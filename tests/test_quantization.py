@@ -126,3 +126,35 @@ def test_a_missing_qwix_is_one_clear_error(monkeypatch):
     finally:
         monkeypatch.undo()
         quantization._qwix_int8.cache_clear()
+
+
+def test_the_curve_script_trains_both_arms_from_one_start_and_reports_the_gap(tmp_path, capsys):
+    """scripts/quantization_curve.py (issue 52's 200-step bf16/int8 curve, docs/performance.md)
+    in 3 steps of the nano model: both arms run the pretrain stage, and the table, the final gap
+    and the JSON come from the same curves."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "quantization_curve.py"
+    spec = importlib.util.spec_from_file_location("quantization_curve", path)
+    curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curve)
+    # The quantization is the script's to vary; the default size applies unless a model is named.
+    with pytest.raises(SystemExit):
+        curve.parse_args(["model.quantization=int8"])
+    default = curve.overrides_for(200, [], "null")
+    assert "model.d_model=256" in default and "schedule.warmup_steps=20" in default
+    assert default[-1] == "model.quantization=null"
+
+    curve.main(["--steps", "3", "--json", str(tmp_path / "curve.json"),
+                "model=olmo3_nano", "data.sequence_length=32", "trainer.eval_batches=1"])
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert "model.d_model=256" not in result["overrides"]["int8"]
+    assert result["overrides"]["int8"][-1] == "model.quantization=int8"
+    bf16, int8 = result["arms"]["bf16"]["loss"], result["arms"]["int8"]["loss"]
+    assert len(bf16) == len(int8) == 3
+    assert bf16 != int8 and abs(int8[0] - bf16[0]) / bf16[0] < 0.01  # one start, quantized matmuls
+    assert [row["step"] for row in result["table"]] == [1, 3]
+    assert result["final"]["gap"] == pytest.approx((sum(int8) - sum(bf16)) / sum(bf16))
+    assert "mean train loss of the last 3 steps" in capsys.readouterr().out
