@@ -19,7 +19,8 @@ full) at twice its width (d_model 256, 4 heads of 64, MLP 768 = 8/3 x 256 rounde
 OLMo-core sizes it), on the embedded corpus (real text: the standard library's source) in
 batches of 8 x 128 tokens, with the default optimiser (AdamW, peak lr 3e-3) and schedule (warmup
 for a tenth of the steps, then cosine to 0.1x). On CPU an int8 matmul runs as XLA:CPU's integer
-dot, so the numbers are the ones a TPU computes; only the speed differs. Overrides naming
+dot: its integer products are exact, as on a TPU's MXU; the bf16 work around them may differ
+from a TPU's in the order of its float sums, and the speed differs. Overrides naming
 `model=` drop the default size, so a zoo model trains as it is.
 """
 
@@ -48,9 +49,14 @@ LAST = 10  # the final gap compares the mean train loss of the last LAST steps
 TOLERANCE = 0.01  # issue 52: int8's 200-step loss within 1% of bf16's
 
 
+def _key(override: str) -> str:
+    """The config key an override sets (`+`/`~` prefixes dropped)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def overrides_for(steps: int, extra: list[str], quantization: str) -> list[str]:
     """The overrides of one arm: ours first so that the caller's win, the quantization last."""
-    size = [] if any(o.split("=", 1)[0].lstrip("+~") == "model" for o in extra) else SIZE
+    size = [] if any(_key(o) == "model" for o in extra) else SIZE
     # The default warmup (20 steps) at 200 steps is a tenth of the run; keep that share for
     # other lengths (the config refuses a warmup as long as the run).
     schedule = [f"schedule.warmup_steps={steps // 10}"]
@@ -103,7 +109,7 @@ def final_gap(bf16: list[float], int8: list[float], last: int = LAST) -> dict:
 def per_step_gaps(bf16: list[float], int8: list[float]) -> dict:
     """The gap at every step: each step's loss is one batch's, so single steps wander more than
     the tail's mean does; this says by how much."""
-    gaps = [relative_gap(b, a) for a, b in zip(bf16, int8)]
+    gaps = [relative_gap(quantized, plain) for plain, quantized in zip(bf16, int8)]
     worst = max(range(len(gaps)), key=lambda i: abs(gaps[i]))
     return {"mean": sum(gaps) / len(gaps), "mean_abs": sum(map(abs, gaps)) / len(gaps),
             "largest_abs": abs(gaps[worst]), "largest_at_step": worst + 1}
@@ -163,7 +169,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (warmup, then the schedule)")
-    if any(o.split("=", 1)[0].lstrip("+~") == "model.quantization" for o in args.overrides):
+    if any(_key(o) == "model.quantization" for o in args.overrides):
         parser.error("model.quantization is what this script varies: leave it out of the overrides")
     if any(o.startswith(("hydra.", "+stage", "stage=")) for o in args.overrides):
         parser.error("the stage (pretrain) and the run dirs are the script's: pass model/data/optim/schedule/trainer overrides")

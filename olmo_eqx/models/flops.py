@@ -17,6 +17,8 @@ MLPs, not all E (the MFU of a sparse model is of the work it does; dropless rout
 more). The dense reference path (`moe_impl: dense`) does E/k times the MLP work, uncounted.
 """
 
+from typing import Optional
+
 from olmo_eqx.models.config import ModelConfig
 
 
@@ -65,17 +67,26 @@ def total_matmul_params(config: ModelConfig) -> int:
     return matmul_params(config.replace(n_experts_per_token=config.n_experts))
 
 
+def attention_layers(config: ModelConfig, seq_len: int) -> list[tuple[int, Optional[int]]]:
+    """Each attention layer's (context, sliding window or None), GDN layers left out."""
+    return [
+        (min(config.sliding_window, seq_len), config.sliding_window) if config.is_sliding(layer) else (seq_len, None)
+        for layer, kind in enumerate(_kinds(config))
+        if kind == "attention"
+    ]
+
+
+def attention_context_flops(config: ModelConfig, context: int) -> int:
+    """One attention layer's training FLOPs (scores and context, forward + backward) per token."""
+    return 12 * config.n_heads * config.head_dim * context
+
+
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     """Attention's training FLOPs (scores and context, forward + backward) per token; on
     OLMo-Hybrid's GDN layers, the delta rule's."""
-    attention = 0
-    for layer, kind in enumerate(_kinds(config)):
-        if kind == "gdn":
-            attention += gdn_flops_per_token(config)
-            continue
-        context = min(config.sliding_window, seq_len) if config.is_sliding(layer) else seq_len
-        attention += 12 * config.n_heads * config.head_dim * context
-    return attention
+    gdn_layers = _kinds(config).count("gdn")
+    attention = sum(attention_context_flops(config, context) for context, _ in attention_layers(config, seq_len))
+    return attention + gdn_layers * gdn_flops_per_token(config)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:

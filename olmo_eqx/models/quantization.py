@@ -29,7 +29,6 @@ from jaxtyping import Array, Float
 QUANTIZATIONS = ("int8",)
 
 
-
 class QuantizationUnavailable(ImportError):
     """`model.quantization` was set but the library it runs on is not installed."""
 

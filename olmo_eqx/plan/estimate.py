@@ -84,7 +84,7 @@ def estimate_step(
     (one micro-batch, layers unrolled, the loss in one chunk: XLA counted everything once, as
     it runs), which is then the step's, and no more compiles are needed.
     """
-    from olmo_eqx.models.flops import attention_flops_per_token
+    from olmo_eqx.models.flops import attention_context_flops, attention_flops_per_token, attention_layers
 
     model, data = config.model, config.data
     counted_on = None  # how the counts were taken, where not the usual way
@@ -132,13 +132,12 @@ def estimate_step(
             # q k^T and dO v^T once more: 7.
             forward = 2 * (2 if recomputed else 1)  # q k^T and p v, once or twice
             block, seq = model.attention_block_size or SPLASH_BLOCK, data.sequence_length
-            separate = 0
-            for layer in range(model.n_layers):
-                window = model.sliding_window if model.is_sliding(layer) else None
-                if not fused_backward(seq, block, heads=model.n_heads, head_dim=model.head_dim, sliding_window=window):
-                    separate += min(window or seq, seq)  # the layer's share of the count goes as its context
-            contexts = sum(min(model.sliding_window, seq) if model.is_sliding(i) else seq for i in range(model.n_layers))
-            kernel_flops *= 1 + (separate / contexts) * (2 / (forward + 5))
+            separate = sum(
+                attention_context_flops(model, context)
+                for context, window in attention_layers(model, seq)
+                if not fused_backward(seq, block, heads=model.n_heads, head_dim=model.head_dim, sliding_window=window)
+            )
+            kernel_flops *= 1 + (separate / per_token) * (2 / (forward + 5))
     kernel_s = kernel_flops / (chip.peak_bf16_flops * kernel_mxu_fill(model, chip))
     compute_s = (flops or 0.0) / chip.peak_bf16_flops + kernel_s
     flops = (flops or 0.0) + kernel_flops
@@ -167,9 +166,10 @@ def estimate_step(
 
 def _unit_costs(config, devices, micro: int, unit: dict, unit_layers: int) -> tuple[dict, dict, int, Optional[str]]:
     """XLA's cost analysis of the one- and two-unit programs, how many of their batches make
-    the step, and how they were counted where not the usual way: first on one micro-batch. At long sequences the compiler can refuse those
-    counts-only programs for memory (their loss chunks unrolled: 29.8 GiB for the 190m's 2 x
-    32,768 tokens on a v5e, whose step needs 9.0): they are then compiled on half the
+    the step, and how they were counted where not the usual way: first on one micro-batch.
+    At long sequences the compiler can refuse those counts-only programs for memory (their
+    loss chunks unrolled: 29.8 GiB for the 190m's 2 x 32,768 tokens on a v5e, whose step
+    needs 9.0): they are then compiled on half the
     micro-batch, a quarter, ..., while each device keeps a sequence: every count but the
     once-per-step part (taken off by the caller) is linear in a program's sequences. Where one
     sequence is refused too, the loss chunks are counted in their loop (`_loss_loop_counted`)."""
