@@ -121,7 +121,7 @@ def test_a_missing_qwix_is_one_clear_error(monkeypatch):
     quantization._qwix_int8.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_qwix)
     try:
-        with pytest.raises(quantization.QuantizationUnavailable, match=r"pip install 'olmo_eqx\[int8\]'"):
+        with pytest.raises(quantization.QuantizationUnavailable, match=r"pip install -c constraints.txt -e '\.\[int8\]'"):
             quantization.check_available("int8")
     finally:
         monkeypatch.undo()

@@ -11,8 +11,9 @@ use_qwix_quantization=true` asks of Qwix for its decoder layers (int8 weights, a
 gradients), built from the same Qwix function, `dot_general_qt`, without Flax's module
 interception that MaxText uses to reach it.
 
-Qwix is optional (`pip install 'olmo_eqx[int8]'`): importing this module never imports it; the
-first quantized matmul does, and a missing Qwix is one `QuantizationUnavailable` naming the fix.
+Qwix is optional (`pip install -c constraints.txt -e '.[int8]'` in the checkout): importing
+this module never imports it; the first quantized matmul does, and a missing Qwix is one
+`QuantizationUnavailable` naming the fix.
 
 Sources: Qwix, https://github.com/google/qwix (`qwix/_src/core/dot_general_qt.py`); MaxText's
 `src/maxtext/layers/quantizations.py` (`get_quantization_rule`).
@@ -40,7 +41,7 @@ def _qwix_int8():
     except ImportError as e:
         raise QuantizationUnavailable(
             f"model.quantization=int8 runs on Google's Qwix, which is not installed here ({e}): "
-            "pip install 'olmo_eqx[int8]' (qwix and flax), or set model.quantization=null"
+            "pip install -c constraints.txt -e '.[int8]' in the olmo_eqx checkout (qwix and flax), or set model.quantization=null"
         ) from None
     int8 = jnp.int8
     config = qt.DotGeneralQtConfig(
