@@ -135,3 +135,38 @@ def test_a_refused_plan_says_refused_and_its_batch_line_has_no_empty_field():
     assert lines[2] == "refused in 6 s"
     with_share = format_plan({**p, "per_device_batch": 4.0})
     assert with_share.splitlines()[1].startswith("batch 512 x 8192 (4 per device, 1 micro-batch(es))")
+
+
+def test_op_traffic_counts_each_op_once_per_loop_trip():
+    """`op_traffic` (scripts/hlo_traffic.py): a fused op inside a 3-trip loop reads and writes
+    its tensor 3 times; the fusion's insides and the loop's plumbing add nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_eqx.plan.hlo import op_traffic
+
+    x = jnp.ones((256, 512), jnp.float32)  # 512 KiB
+    step = lambda i, x: jnp.exp(x) * 0.5 + 1.0  # noqa: E731
+    hlo = jax.jit(lambda x: jax.lax.fori_loop(0, 3, step, x)).lower(x).compile().as_text()
+    traffic, unknown = op_traffic(hlo)
+    in_loop = [n for kind, n in traffic.items() if kind.endswith("| add") and n > 1024]  # not the counter
+    assert in_loop == [3 * 2 * x.nbytes] and not unknown
+    assert sum(traffic.values()) <= 3 * 2 * x.nbytes + 2 * x.nbytes + 64  # one copy in, the counter
+
+
+def test_the_traffic_script_compares_two_steps_kind_by_kind(capsys):
+    """scripts/hlo_traffic.py on the tiny model for one CPU device: the int8 step adds the
+    quantization's round-and-convert passes, which the bf16 step does not have."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "hlo_traffic.py"
+    spec = importlib.util.spec_from_file_location("hlo_traffic", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([*OVERRIDES, "data.global_batch_size=2", "model.compute_dtype=bfloat16", "--target", "cpu:1",
+                        "--change", "model.quantization=int8", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "change:" in out and "(model.quantization=int8)" in out
+    rows = [line.split() for line in out.splitlines() if "round-nearest-even" in line]  # int8's rounding
+    assert rows and all(float(row[1]) == 0.0 and float(row[2]) > 0 for row in rows)  # absent before, present after

@@ -1,4 +1,5 @@
-"""Reading a compiled program's HLO: the collective traffic of one step, loop trip counts applied."""
+"""Reading a compiled program's HLO: the collective traffic of one step and the memory traffic of
+its ops, loop trip counts applied."""
 
 import re
 from collections import defaultdict
@@ -150,6 +151,58 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
             op = re.search(r'op_name="([^"]*)"', rest)
             gathered.extend((dtype, dims, op.group(1) if op else "?") for dtype, dims in _shapes(shape))
     return traffic, gathered, unknown_trip
+
+
+# Ops that move no tensor through memory of their own: structure, control flow (their bodies are
+# counted), and the asynchronous copies and slices XLA:TPU uses to prefetch into VMEM or park on
+# the host (a memory-space move, not the program's work).
+_NO_TRAFFIC = {
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
+    "after-all", "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "slice-start",
+    "slice-done", "add-dependency",
+}
+_NAMED = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ")
+
+
+def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
+    """Bytes each kind of op reads and writes in one step of a compiled program: per top-level
+    op (a fusion counts once, its insides are in VMEM or registers), its result plus its
+    operands, times how often its computation runs (while-loop trip counts applied, unlike
+    XLA's own `bytes accessed`, which counts a loop body once).
+
+    The key is the op's kind (a fusion's name without its number, e.g. `abs_reduce_fusion`)
+    and the jax op it came from (`reduce_max`), so that two programs can be compared kind by
+    kind (scripts/hlo_traffic.py). An operand is counted whole: a fusion that reads a slice of
+    a big buffer is over-counted, so read the figures as an upper bound of HBM traffic and
+    their differences between programs as what changed. Also returns whether some loop's trip
+    count was unknown (then its body counts once).
+    """
+    instructions, runs, _, unknown_loops = _program(hlo)
+    shapes: dict[str, int] = {}
+    fused: set[str] = set()  # computations that are a fusion's or a reduction's inside
+    ops: list[tuple[str, str, str, str, str]] = []  # computation, name, kind, shape, rest
+    current = None
+    for line in hlo.splitlines():
+        if not line[:1].isspace() and (m := _COMPUTATION.match(line)):
+            current = m.group(1)
+        elif current and (m := _INSTRUCTION.match(line)):
+            name, shape, kind, rest = m.groups()
+            shapes[name] = _nbytes(_shapes(shape))
+            ops.append((current, name, kind, shape, rest))
+            if kind not in ("while", "call", "conditional"):
+                fused.update(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest))
+    traffic: dict[str, int] = defaultdict(int)
+    for computation, name, kind, shape, rest in ops:
+        if kind in _NO_TRAFFIC or computation in fused or not runs.get(computation):
+            continue
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        nbytes = shapes[name] + sum(shapes.get(o, 0) for o in operands)
+        op = re.search(r'op_name="([^"]*)"', rest)
+        # XLA names a fusion after what it fuses (`abs_reduce_fusion.12`, `fusion.7.remat2`): the
+        # name without its number and rematerialization suffixes.
+        label = re.sub(r"(\.(\d+|remat\d*|clone))+$", "", name) if kind == "fusion" else kind
+        traffic[f"{label} | {op.group(1).rsplit('/', 1)[-1] if op else ''}"] += runs[computation] * nbytes
+    return dict(traffic), bool(unknown_loops)
 
 
 # ---------------------------------------------------------------------------------------------
