@@ -172,10 +172,12 @@ def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
 
     The key is the op's kind (a fusion's name without its number, e.g. `abs_reduce_fusion`)
     and the jax op it came from (`reduce_max`), so that two programs can be compared kind by
-    kind (scripts/hlo_traffic.py). An operand is counted whole: a fusion that reads a slice of
-    a big buffer is over-counted, so read the figures as an upper bound of HBM traffic and
-    their differences between programs as what changed. Also returns whether some loop's trip
-    count was unknown (then its body counts once).
+    kind (scripts/hlo_traffic.py). Results XLA:TPU keeps in VMEM or SMEM (memory spaces S(1),
+    S(2)) count nothing. An operand is counted whole: a fusion that reads a slice of a big
+    buffer is over-counted, so read the figures as an upper bound of HBM traffic and their
+    differences between programs as what changed; an op bound by its vector work rather than
+    its bytes (a reduction across lanes) costs more than its bytes say. Also returns whether
+    some loop's trip count was unknown (then its body counts once).
     """
     instructions, runs, _, unknown_loops = _program(hlo)
     shapes: dict[str, int] = {}
@@ -187,7 +189,9 @@ def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
             current = m.group(1)
         elif current and (m := _INSTRUCTION.match(line)):
             name, shape, kind, rest = m.groups()
-            shapes[name] = _nbytes(_shapes(shape))
+            # A result that XLA:TPU placed in VMEM (layout memory space S(1)) or SMEM (S(2)), e.g.
+            # the ConcatBitcast that assembles prefetched pieces, never touches HBM.
+            shapes[name] = 0 if re.search(r":[^}]*S\([12]\)", shape) else _nbytes(_shapes(shape))
             ops.append((current, name, kind, shape, rest))
             if kind not in ("while", "call", "conditional"):
                 fused.update(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest))
@@ -197,6 +201,8 @@ def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
             continue
         operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
         nbytes = shapes[name] + sum(shapes.get(o, 0) for o in operands)
+        if not nbytes:
+            continue
         op = re.search(r'op_name="([^"]*)"', rest)
         # XLA names a fusion after what it fuses (`abs_reduce_fusion.12`, `fusion.7.remat2`): the
         # name without its number and rematerialization suffixes.
