@@ -154,6 +154,23 @@ def test_op_traffic_counts_each_op_once_per_loop_trip():
     assert sum(traffic.values()) <= 3 * 2 * x.nbytes + 2 * x.nbytes + 64  # one copy in, the counter
 
 
+def test_op_traffic_leaves_out_what_stays_in_vmem():
+    """XLA:TPU assembles prefetched pieces in VMEM (layout memory space S(1)): reading those
+    costs no HBM bandwidth, so only the HBM-resident result counts."""
+    from olmo_eqx.plan.hlo import op_traffic
+
+    hlo = """HloModule m
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %v = f32[1024]{0:T(1024)S(1)} custom-call(%a), custom_call_target="ConcatBitcast"
+  ROOT %e = f32[1024]{0:T(1024)} exponential(%v), metadata={op_name="jit(f)/exp"}
+}
+"""
+    traffic, _ = op_traffic(hlo)
+    assert traffic == {"custom-call | ": 4096, "exponential | exp": 4096}
+
+
 def test_the_traffic_script_compares_two_steps_kind_by_kind(capsys):
     """scripts/hlo_traffic.py on the tiny model for one CPU device: the int8 step adds the
     quantization's round-and-convert passes, which the bf16 step does not have."""
