@@ -43,17 +43,36 @@ def main(argv=None) -> int:
     parser.add_argument("--change", nargs="+", default=[], metavar="KEY=VALUE", help="compare against the step with these overrides added")
     parser.add_argument("--top", type=int, default=20, help="how many kinds of op to list (default 20)")
     args = parser.parse_args(argv)
-    if args.target.startswith("cpu:") and args.target[4:].isdigit():
-        # Fake CPU devices, set before JAX starts (as `python -m olmo_eqx.plan` does).
+    from olmo_eqx.config import ConfigError
+    from olmo_eqx.plan.targets import parse_target
+
+    try:
+        target = parse_target(args.target)
+    except SystemExit as e:  # the target's refusal names the forms it takes
+        print(f"error: {e.code}", file=sys.stderr)
+        return 2
+    # As `python -m olmo_eqx.plan`: compile on this host's CPU, fake CPU devices set before JAX
+    # starts its backend, and no persistent cache for programs of chips that are not here.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if target.platform == "cpu":
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.target[4:]}".strip()
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={target.n_devices}".strip()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if target.platform != "cpu":
+        jax.config.update("jax_enable_compilation_cache", False)
     from olmo_eqx.plan.hlo import op_traffic
 
     programs = [("base", args.overrides)] + ([("changed", args.overrides + args.change)] if args.change else [])
     traffic = []
     for label, overrides in programs:
         print(f"compiling the {label} step for {args.target}: {' '.join(overrides) or '(defaults)'}", file=sys.stderr, flush=True)
-        hlo, cost = compile_hlo(overrides, args.target)
+        try:
+            hlo, cost = compile_hlo(overrides, args.target)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         by_kind, unknown = op_traffic(hlo)
         traffic.append(by_kind)
         print(f"{label}: {sum(by_kind.values()) / 1e9:.1f} GB a step by op (loops' trip counts applied"

@@ -171,16 +171,36 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
     assert traffic == {"custom-call | ": 4096, "exponential | exp": 4096}
 
 
-def test_the_traffic_script_compares_two_steps_kind_by_kind(capsys):
-    """scripts/hlo_traffic.py on the tiny model for one CPU device: the int8 step adds the
-    quantization's round-and-convert passes, which the bf16 step does not have."""
+def _traffic_script(monkeypatch):
     import importlib.util
+    import os
     from pathlib import Path
 
+    # The script sets JAX_PLATFORMS and XLA_FLAGS for the JAX it starts: keep them to this test.
+    for name in ("JAX_PLATFORMS", "XLA_FLAGS"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
     path = Path(__file__).resolve().parents[1] / "scripts" / "hlo_traffic.py"
     spec = importlib.util.spec_from_file_location("hlo_traffic", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_the_traffic_script_refuses_a_bad_target_or_model_with_status_2(monkeypatch, capsys):
+    script = _traffic_script(monkeypatch)
+    assert script.main([*OVERRIDES, "--target", "tpu:v9:1x1"]) == 2
+    assert "tpu:v9:1x1" in capsys.readouterr().err
+    assert script.main(["model=olmo3_nope", "--target", "cpu:1"]) == 2
+    assert "olmo3_nope" in capsys.readouterr().err
+
+
+def test_the_traffic_script_compares_two_steps_kind_by_kind(monkeypatch, capsys):
+    """scripts/hlo_traffic.py on the tiny model for one CPU device: the int8 step adds the
+    quantization's round-and-convert passes, which the bf16 step does not have."""
+    script = _traffic_script(monkeypatch)
     assert script.main([*OVERRIDES, "data.global_batch_size=2", "model.compute_dtype=bfloat16", "--target", "cpu:1",
                         "--change", "model.quantization=int8", "--top", "40"]) == 0
     out = capsys.readouterr().out
