@@ -10,7 +10,8 @@ times its loop's trip count; `olmo_eqx.plan.hlo.op_traffic`) are summed by kind.
 how much they changed: what a change adds in passes over memory shows here before any chip time
 is spent (on a v5e, 819 GB/s, every 100 GB a step is about 120 ms where the step is bound by
 memory). The figures are upper bounds (an operand counts whole even where a fusion reads a
-slice of it); compare programs with them, and take step times from the chip
+slice of it), and an op bound by its vector work (int8's absmax across lanes) costs more than
+its bytes say: compare programs with them, and take step times from the chip
 (scripts/measure_step.py).
 """
 

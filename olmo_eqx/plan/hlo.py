@@ -161,7 +161,6 @@ _NO_TRAFFIC = {
     "after-all", "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "slice-start",
     "slice-done", "add-dependency",
 }
-_NAMED = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ")
 
 
 def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
