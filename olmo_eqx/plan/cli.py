@@ -1,7 +1,5 @@
 """`python -m olmo_eqx.plan [overrides] [+plan.key=value ...]`: the planner's command line."""
 
-import os
-import re
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -12,7 +10,7 @@ from olmo_eqx.plan.estimate import add_estimate
 from olmo_eqx.plan.layouts import search
 from olmo_eqx.plan.planner import plan_config
 from olmo_eqx.plan.report import format_estimate, format_plan, format_ranked
-from olmo_eqx.plan.targets import parse_target
+from olmo_eqx.plan.targets import compile_on_this_host, parse_target
 
 
 
@@ -68,22 +66,7 @@ def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     options, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     target = parse_target(options.target)
-    # Fake devices must be configured before JAX starts its CPU backend; an accelerator target
-    # compiles with JAX on the host's CPU (the CUDA plugin would otherwise look for a driver).
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if target.platform == "cpu":
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={target.n_devices}".strip()
-    import jax
-
-    # The package has imported jax already, which read JAX_PLATFORMS then; its backends
-    # start only now, so the setting still takes effect through the config.
-    jax.config.update("jax_platforms", "cpu")
-    if target.platform != "cpu":
-        # A program for abstract chips cannot be loaded back from a persistent compilation
-        # cache (there is no client to load it into); a user's JAX_COMPILATION_CACHE_DIR
-        # would only collect entries that warn on every later read.
-        jax.config.update("jax_enable_compilation_cache", False)
+    compile_on_this_host(target)
     from olmo_eqx.config import compose_config
 
     config = compose_config(overrides)

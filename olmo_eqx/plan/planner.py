@@ -19,6 +19,13 @@ _WHILE = re.compile(r"\bwhile\(")
 ACCELERATORS = (("TPU v6e", 32), ("H100", 80), ("TPU v5p", 95), ("H200", 141))
 
 
+def target_budget(target: Target) -> Optional[Budget]:
+    """What one of `target`'s devices holds, for trainer.micro_batches=auto (None for a cpu
+    target: the host's memory, as a run there would see it)."""
+    chip = target.per_device
+    return Budget(int(chip.hbm_bytes), f"the HBM of a {target.spec} device") if chip else None
+
+
 def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: str = "") -> dict:
     """Compile `config`'s train step for `target` and return its figures (see the module doc)."""
     import jax.numpy as jnp
@@ -61,9 +68,8 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
     if auto_note:
         result["micro_batches_note"] = auto_note
     started = time.perf_counter()
-    budget = Budget(int(chip.hbm_bytes), f"the HBM of a {target.spec} device") if chip else None
     try:
-        step = compile_train_step(config, devices, budget=budget)
+        step = compile_train_step(config, devices, budget=target_budget(target))
     except CompileRefused as refusal:
         result.update(fits=False, refused=str(refusal), compile_seconds=time.perf_counter() - started)
         return result

@@ -118,6 +118,27 @@ def parse_target(spec: str) -> Target:
     raise SystemExit(usage)
 
 
+def compile_on_this_host(target: Target) -> None:
+    """Set JAX up to compile `target`'s programs on this host's CPU: fake CPU devices for a
+    `cpu:N` target, set before JAX starts its CPU backend (the CUDA plugin of an accelerator
+    target would otherwise look for a driver), and no persistent compilation cache for chips
+    that are not here. Call it before anything starts a JAX backend."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if target.platform == "cpu":
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={target.n_devices}".strip()
+    import jax
+
+    # The package has imported jax already, which read JAX_PLATFORMS then; its backends
+    # start only now, so the setting still takes effect through the config.
+    jax.config.update("jax_platforms", "cpu")
+    if target.platform != "cpu":
+        # A program for abstract chips cannot be loaded back from a persistent compilation
+        # cache (there is no client to load it into); a user's JAX_COMPILATION_CACHE_DIR
+        # would only collect entries that warn on every later read.
+        jax.config.update("jax_enable_compilation_cache", False)
+
+
 def tpu_devices(target: Target) -> list:
     """Abstract TPU devices of `target`'s topology (libtpu compiles for them; none is allocated)."""
     from jax.experimental import topologies
