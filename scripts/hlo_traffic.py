@@ -16,18 +16,18 @@ its bytes say: compare programs with them, and take step times from the chip
 """
 
 import argparse
-import os
-import re
 import sys
 
 
-def compile_hlo(overrides: list[str], target: str) -> tuple[str, dict]:
-    """The compiled train step's HLO text and XLA's cost analysis for `overrides` on `target`."""
+def compile_hlo(overrides: list[str], target) -> tuple[str, dict]:
+    """The compiled train step's HLO text and XLA's cost analysis for `overrides` on `target`
+    (a `olmo_eqx.plan.targets.Target`)."""
     from olmo_eqx.config import compose_config
     from olmo_eqx.plan.compile import compile_train_step, target_devices
-    from olmo_eqx.plan.targets import parse_target
+    from olmo_eqx.plan.planner import target_budget
 
-    step = compile_train_step(compose_config(overrides), target_devices(parse_target(target)))
+    config = compose_config(overrides)
+    step = compile_train_step(config, target_devices(target), budget=target_budget(target))
     return step.hlo, step.cost
 
 
@@ -45,24 +45,15 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=20, help="how many kinds of op to list (default 20)")
     args = parser.parse_args(argv)
     from olmo_eqx.config import ConfigError
-    from olmo_eqx.plan.targets import parse_target
+    from olmo_eqx.plan.targets import compile_on_this_host, parse_target
+    from olmo_eqx.train.memory import CompileRefused
 
     try:
         target = parse_target(args.target)
     except SystemExit as e:  # the target's refusal names the forms it takes
         print(f"error: {e.code}", file=sys.stderr)
         return 2
-    # As `python -m olmo_eqx.plan`: compile on this host's CPU, fake CPU devices set before JAX
-    # starts its backend, and no persistent cache for programs of chips that are not here.
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if target.platform == "cpu":
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={target.n_devices}".strip()
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    if target.platform != "cpu":
-        jax.config.update("jax_enable_compilation_cache", False)
+    compile_on_this_host(target)  # as `python -m olmo_eqx.plan` compiles
     from olmo_eqx.plan.hlo import op_traffic
 
     programs = [("base", args.overrides)] + ([("changed", args.overrides + args.change)] if args.change else [])
@@ -70,13 +61,17 @@ def main(argv=None) -> int:
     for label, overrides in programs:
         print(f"compiling the {label} step for {args.target}: {' '.join(overrides) or '(defaults)'}", file=sys.stderr, flush=True)
         try:
-            hlo, cost = compile_hlo(overrides, args.target)
+            hlo, cost = compile_hlo(overrides, target)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except CompileRefused as e:  # it does not fit the target: nothing to count
+            print(f"error: the {label} step does not fit {args.target}: {e}", file=sys.stderr)
+            return 2
         by_kind, unknown = op_traffic(hlo)
         traffic.append(by_kind)
-        print(f"{label}: {sum(by_kind.values()) / 1e9:.1f} GB a step by op (loops' trip counts applied"
+        unit, scale = _unit([sum(by_kind.values())])
+        print(f"{label}: {sum(by_kind.values()) / scale:.1f} {unit} a step by op (loops' trip counts applied"
               f"{'; a loop of unknown length counted once' if unknown else ''}); XLA's `bytes accessed` "
               f"{cost.get('bytes accessed', 0) / 1e9:.1f} GB, {cost.get('flops', 0) / 1e12:.1f} TFLOP (loop bodies once)")
     if len(traffic) == 1:

@@ -60,10 +60,13 @@ def _trip_count(while_attrs: str, condition: list[tuple[str, str, str]], start: 
 _Instructions = dict[str, list[tuple[str, str, str]]]
 
 
-def _program(hlo: str) -> tuple[_Instructions, dict[str, int], dict[str, list[tuple[str, int]]], set[str]]:
+def _program(
+    hlo: str,
+) -> tuple[_Instructions, dict[str, int], dict[str, list[tuple[str, int]]], set[str], dict[str, dict[str, tuple[str, str, str]]]]:
     """The program's instructions by computation, (kind, shape, rest of the line); how many
     times each computation runs per step (while-loop trip counts applied); the call graph;
-    and the bodies of loops whose trip count is unknown."""
+    the bodies of loops whose trip count is unknown; and the instructions by computation and
+    name, in program order."""
     instructions: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # computation -> (kind, shape, rest)
     named: dict[str, dict[str, tuple[str, str, str]]] = defaultdict(dict)  # computation -> name -> the same
     entry, current = None, None
@@ -103,7 +106,7 @@ def _program(hlo: str) -> tuple[_Instructions, dict[str, int], dict[str, list[tu
             visit(callee, times * n)
 
     visit(entry, 1)
-    return instructions, runs, callees, unknown_loops
+    return instructions, runs, callees, unknown_loops, named
 
 
 def _collectives(instructions, runs):
@@ -133,7 +136,7 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
     Also returns what is all-gathered, (dtype, shape, jax op name), and whether some loop's trip count was unknown
     (then the figures are lower bounds).
     """
-    instructions, runs, callees, unknown_loops = _program(hlo)
+    instructions, runs, callees, unknown_loops, _ = _program(hlo)
 
     def has_collective(name: str) -> bool:
         return any(k.removesuffix("-start") in COLLECTIVES for k, _, _ in instructions.get(name, ())) or any(
@@ -154,13 +157,14 @@ def collective_traffic(hlo: str) -> tuple[dict[str, dict], list[tuple[str, tuple
 
 
 # Ops that move no tensor through memory of their own: structure, control flow (their bodies are
-# counted), and the asynchronous copies and slices XLA:TPU uses to prefetch into VMEM or park on
-# the host (a memory-space move, not the program's work).
+# counted), and the start of an asynchronous copy or slice (counted once, at its `-done`).
 _NO_TRAFFIC = {
     "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
-    "after-all", "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "slice-start",
-    "slice-done", "add-dependency",
+    "after-all", "opt-barrier", "partition-id", "replica-id", "copy-start", "slice-start", "add-dependency",
 }
+# The asynchronous copies and slices XLA:TPU moves tensors between HBM and VMEM (or the host)
+# with: their result is the tensor moved, read on one side and written on the other.
+_MOVES = ("copy-done", "slice-done")
 
 
 def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
@@ -172,41 +176,47 @@ def op_traffic(hlo: str) -> tuple[dict[str, int], bool]:
     The key is the op's kind (a fusion's name without its number, e.g. `abs_reduce_fusion`)
     and the jax op it came from (`reduce_max`), so that two programs can be compared kind by
     kind (scripts/hlo_traffic.py). Results XLA:TPU keeps in VMEM or SMEM (memory spaces S(1),
-    S(2)) count nothing. An operand is counted whole: a fusion that reads a slice of a big
+    S(2)) count nothing where an op reads or writes them; the asynchronous copy or slice that
+    moved them there counts its tensor once. An operand is counted whole: a fusion that reads a slice of a big
     buffer is over-counted, so read the figures as an upper bound of HBM traffic and their
     differences between programs as what changed; an op bound by its vector work rather than
     its bytes (a reduction across lanes) costs more than its bytes say. Also returns whether
     some loop's trip count was unknown (then its body counts once).
     """
-    instructions, runs, _, unknown_loops = _program(hlo)
-    shapes: dict[str, int] = {}
-    fused: set[str] = set()  # computations that are a fusion's or a reduction's inside
-    ops: list[tuple[str, str, str, str, str]] = []  # computation, name, kind, shape, rest
-    current = None
-    for line in hlo.splitlines():
-        if not line[:1].isspace() and (m := _COMPUTATION.match(line)):
-            current = m.group(1)
-        elif current and (m := _INSTRUCTION.match(line)):
-            name, shape, kind, rest = m.groups()
-            # A result that XLA:TPU placed in VMEM (layout memory space S(1)) or SMEM (S(2)), e.g.
-            # the ConcatBitcast that assembles prefetched pieces, never touches HBM.
-            shapes[name] = 0 if re.search(r":[^}]*S\([12]\)", shape) else _nbytes(_shapes(shape))
-            ops.append((current, name, kind, shape, rest))
-            if kind not in ("while", "call", "conditional"):
-                fused.update(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest))
+    _, runs, _, unknown_loops, named = _program(hlo)
+    # A result that XLA:TPU placed in VMEM (layout memory space S(1)) or SMEM (S(2)), e.g. the
+    # ConcatBitcast that assembles prefetched pieces, never touches HBM.
+    nbytes = {
+        name: 0 if re.search(r":[^}]*S\([12]\)", shape) else _nbytes(_shapes(shape))
+        for instrs in named.values()
+        for name, (_, shape, _) in instrs.items()
+    }
+    fused = {  # computations that are a fusion's or a reduction's inside
+        called
+        for instrs in named.values()
+        for kind, _, rest in instrs.values()
+        if kind not in ("while", "call", "conditional")
+        for called in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest)
+    }
     traffic: dict[str, int] = defaultdict(int)
-    for computation, name, kind, shape, rest in ops:
-        if kind in _NO_TRAFFIC or computation in fused or not runs.get(computation):
+    for computation, instrs in named.items():
+        if computation in fused or not runs.get(computation):
             continue
-        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-        nbytes = shapes[name] + sum(shapes.get(o, 0) for o in operands)
-        if not nbytes:
-            continue
-        op = re.search(r'op_name="([^"]*)"', rest)
-        # XLA names a fusion after what it fuses (`abs_reduce_fusion.12`, `fusion.7.remat2`): the
-        # name without its number and rematerialization suffixes.
-        label = re.sub(r"(\.(\d+|remat\d*|clone))+$", "", name) if kind == "fusion" else kind
-        traffic[f"{label} | {op.group(1).rsplit('/', 1)[-1] if op else ''}"] += runs[computation] * nbytes
+        for name, (kind, shape, rest) in instrs.items():
+            if kind in _NO_TRAFFIC:
+                continue
+            if kind in _MOVES:
+                moved = _nbytes(_shapes(shape))
+            else:
+                operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+                moved = nbytes[name] + sum(nbytes.get(o, 0) for o in operands)
+            if not moved:
+                continue
+            op = re.search(r'op_name="([^"]*)"', rest)
+            # XLA names a fusion after what it fuses (`abs_reduce_fusion.12`, `fusion.7.remat2`):
+            # the name without its number and rematerialization suffixes.
+            label = re.sub(r"(\.(\d+|remat\d*|clone))+$", "", name) if kind == "fusion" else kind
+            traffic[f"{label} | {op.group(1).rsplit('/', 1)[-1] if op else ''}"] += runs[computation] * moved
     return dict(traffic), bool(unknown_loops)
 
 
@@ -277,7 +287,7 @@ def cross_slice_collectives(hlo: str, slice_of: list[int]) -> list[dict]:
     should be here: a weight all-gather or an activation collective that crossed slices would
     show as another kind, or as tensors that are not gradients.
     """
-    instructions, runs, _, _ = _program(hlo)
+    instructions, runs, _, _, _ = _program(hlo)
     crossing = []
     # XLA:TPU compiles a multi-slice program per slice: its collectives join the devices of
     # one slice, and what crosses slices leaves as host transfers to the DCN runtime
