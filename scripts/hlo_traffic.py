@@ -1,7 +1,8 @@
 """Where a train step's memory traffic goes, by kind of op, from its compiled program: no chip needed.
 
     python scripts/hlo_traffic.py model=olmo3_600m model.compute_dtype=bfloat16 model.remat=save_context \
-        trainer.micro_batches=8 model.loss_chunk_size=512 --target tpu:v5e:1x1 --change model.quantization=int8
+        trainer.micro_batches=8 model.loss_chunk_size=512 data.sequence_length=4096 data.global_batch_size=16 \
+        --target tpu:v5e:1x1 --change model.quantization=int8
 
 The step is compiled as the planner compiles it (`olmo_eqx.plan`: XLA:TPU's own compiler for a
 `tpu:...` target, on this CPU machine), and every top-level op's bytes (result plus operands,
