@@ -160,6 +160,43 @@ def test_a_policy_keeping_the_context_keeps_the_kernels_residuals(capsys):
     assert "_splash_attention" not in saved(None)
 
 
+def test_attend_keeps_one_copy_of_the_context(capsys):
+    """`attend` names the context a remat policy keeps (attention.CONTEXT_NAME), but not after
+    splash, whose kernel already names its output (the same context, heads-major): both kept
+    cost olmo3_600m 2.7 GB at 2 x 32,768 tokens, and its `save_context` no longer fit a v5e."""
+    from olmo_eqx.models.attention import CONTEXT_NAME, AttentionMask, attend
+
+    q, k, v = (jax.random.normal(key, (1, 256, 2, 64)) for key in jax.random.split(jax.random.PRNGKey(0), 3))
+
+    def saved(implementation: str) -> list[str]:
+        context = functools.partial(attend, mask=AttentionMask(None), implementation=implementation, block_size=128)
+        loss = lambda q, k, v: jnp.sum(jnp.sin(context(q, k, v)))  # noqa: E731
+        policy = jax.checkpoint_policies.save_only_these_names(CONTEXT_NAME)
+        jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
+        return [line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line and "constant" not in line]
+
+    kernel = saved("splash")
+    assert [line.split(" ")[0] for line in kernel] == ["f32[1,2,256,64]", "f32[1,2,256]"]  # output and log-sum-exp
+    assert all("_splash_attention" in line for line in kernel)
+    blockwise = saved("blockwise")
+    assert len(blockwise) == 1 and blockwise[0].startswith(f"f32[1,256,2,64] named '{CONTEXT_NAME}'")
+
+    # The same through a model's layers under `save_context`: per layer the kernel's two, and
+    # no context in the model's [batch, seq, heads, head_dim] layout.
+    import equinox as eqx
+
+    from olmo_eqx import OLMo, get_model_config
+
+    config = get_model_config("olmo3_tiny_gqa", vocab_size=300, padded_vocab_size=384, attention_impl="splash",
+                              remat="save_context", attention_block_size=128)
+    params, static = eqx.partition(OLMo(config, key=jax.random.key(0)), eqx.is_inexact_array)
+    tokens = jnp.zeros((1, 256), jnp.int32)
+    jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(eqx.combine(p, static)(tokens)), params)
+    residuals = capsys.readouterr().out
+    assert residuals.count("output of jitted function '_splash_attention'") == 2 * config.n_layers
+    assert f"named '{CONTEXT_NAME}'" not in residuals
+
+
 def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_few():
     """The fused backward holds one partial dq per key block: past 4 key blocks only a causal
     layer whose copies stay under FUSED_BACKWARD_MAX_DQ_BYTES keeps it; a sliding-window

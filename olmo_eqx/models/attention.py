@@ -24,9 +24,13 @@ from typing import NamedTuple, Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 DEFAULT_BLOCK = 512
+# The checkpoint name of attention's output (its context, before the output projection), by
+# which the remat policies keep it (models/olmo3.py); splash's kernel names its own residuals so.
+CONTEXT_NAME = "attention_context"
 # Splash's block on a TPU (capped at the padded sequence): at 16 x 4096 tokens on a v5e,
 # 1024-blocks beat 512 for both OLMo 3 190M and 600M (docs/performance.md, "Speed on TPU").
 SPLASH_BLOCK = 1024
@@ -417,9 +421,18 @@ def attend(
     queries against K/V all-gathered over the context axis (llama3-style), with the blockwise
     kernel. Kernels the compiler cannot partition (splash) also run per shard.
     """
-    mesh = getattr(constrain, "mesh", None)
     platform = program_platform(constrain)
     implementation = resolve_implementation(implementation, q.dtype, platform)
+    context = _attend(q, k, v, mask, implementation, platform, constrain, block_size)
+    # The remat policies keep the context by this name. Splash's kernel names its own output
+    # and log-sum-exp, the same context heads-major, so that its backward never reruns the
+    # forward kernel: naming our transposed copy as well kept the context twice (2.7 GB more
+    # for olmo3_600m at 2 x 32,768 tokens, where `save_context` then did not fit a v5e).
+    return context if implementation == "splash" else checkpoint_name(context, CONTEXT_NAME)
+
+
+def _attend(q, k, v, mask: AttentionMask, implementation: str, platform: str, constrain, block_size: Optional[int]):
+    mesh = getattr(constrain, "mesh", None)
     # Splash tiles in multiples of 128 lanes whatever the platform; the blockwise kernel's
     # best block depends on it (cache-sized on CPU).
     block_size = block_size or (SPLASH_BLOCK if implementation == "splash" else default_block_size(platform))

@@ -91,7 +91,6 @@ class Attention(eqx.Module):
         self, context: Float[Array, "batch seq heads head_dim"], constrain: Constrain = unconstrained
     ) -> Float[Array, "batch seq d_model"]:
         batch, seq = context.shape[:2]
-        context = checkpoint_name(context, "attention_context")
         return checkpoint_name(dense(context.reshape(batch, seq, -1), self.o_proj, constrain), "o_proj")
 
     def __call__(

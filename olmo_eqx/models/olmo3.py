@@ -273,7 +273,6 @@ class Attention(eqx.Module):
     ) -> Float[Array, "batch seq d_model"]:
         """The output projection of the attention context."""
         batch, seq = context.shape[:2]
-        context = checkpoint_name(context, "attention_context")
         projected = dense(context.reshape(batch, seq, -1), self.o_proj, constrain, quantization=self.quantization)
         return checkpoint_name(projected, "o_proj")
 

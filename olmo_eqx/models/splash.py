@@ -32,7 +32,8 @@ FUSED_BACKWARD_MAX_KEY_BLOCKS = 4
 # Past that, a causal (full-attention) layer still fuses while one sequence's partial dq copies
 # take at most this many bytes (see _kernel).
 FUSED_BACKWARD_MAX_DQ_BYTES = int(3.5 * 2**30)
-# The checkpoint name of the attention context (models/olmo3.py's Attention.output).
+# The checkpoint name of the attention context (attention.CONTEXT_NAME, which `attend` leaves to
+# this kernel's own residuals).
 RESIDUAL_NAME = "attention_context"
 
 
@@ -117,7 +118,7 @@ def _kernel(
             head_shards=1,
             q_seq_shards=q_seq_shards,
             # Names the kernel's output and log-sum-exp (the residuals its backward needs) like
-            # the context Attention.output names, so a remat policy that keeps the context
+            # the context attention.attend names, so a remat policy that keeps the context
             # keeps these too and the backward pass never runs the forward kernel again.
             residual_checkpoint_name=RESIDUAL_NAME,
             interpret=interpret,
