@@ -119,6 +119,8 @@ def test_a_model_added_to_the_zoo_composes_after_earlier_composes(monkeypatch):
 def test_post_init_and_cross_group_errors_name_the_keys():
     with pytest.raises(ConfigError, match="model"):
         compose_config(["model.n_heads=3"])  # n_heads not a multiple of n_kv_heads
+    with pytest.raises(ConfigError, match="remat_sliding='full' is the sliding-window layers' policy and this model has none"):
+        compose_config(["model=olmo2_1b", "model.remat_sliding=full"])
     with pytest.raises(ConfigError, match=r"data.global_batch_size=8 .* trainer.micro_batches=3: choose trainer.micro_batches from \[1, 2, 4, 8\]"):
         compose_config(["trainer.micro_batches=3"])
     with pytest.raises(ConfigError, match="schedule.warmup_steps=20"):

@@ -219,12 +219,16 @@ def test_the_estimate_counts_the_kernel_as_it_runs(monkeypatch):
     chip = parse_target("tpu:v5e:1x1").per_device
 
     def kernel(remat: str, seq: int = 4096) -> dict:
-        config = compose_config(["model=olmo3_600m", f"model.remat={remat}", f"data.sequence_length={seq}",
+        config = compose_config(["model=olmo3_600m", *f"model.remat={remat}".split(), f"data.sequence_length={seq}",
                                  f"data.global_batch_size={16 * 4096 // seq}", "trainer.micro_batches=8"])
         return estimate_step(config, [None], chip, collective_bytes=0.0, kernel="splash")
 
     kept, recomputed = kernel("save_context"), kernel("full")
     assert recomputed["kernel_flops"] == pytest.approx(kept["kernel_flops"] * 16 / 12)
+    # Each layer by its own policy: at 4,096 tokens the 4 full layers and the 12 sliding ones
+    # (window 4,096) count alike, and only the sliding ones run their forward again.
+    mixed = kernel("save_context model.remat_sliding=full")
+    assert mixed["kernel_flops"] == pytest.approx(kept["kernel_flops"] * 4 / 16 + recomputed["kernel_flops"] * 12 / 16)
     assert kept["kernel_seconds"] == pytest.approx(kept["kernel_flops"] / (chip.peak_bf16_flops * 80 / 128))
     long_kept, long_recomputed = kernel("save_context", 8192), kernel("full", 8192)
     monkeypatch.setattr(splash, "FUSED_BACKWARD_MAX_KEY_BLOCKS", 64)  # every layer fused

@@ -20,7 +20,7 @@ MoEExchange = Literal["all_to_all", "all_gather"]
 # Up to this many layers, `scan_layers: null` unrolls the layers of a TPU program.
 TPU_UNROLLED_LAYERS = 16
 
-RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_context", "save_qkv", "offload_projections"]
+RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_context", "save_qkv", "offload_projections", "offload_context"]
 DType = Literal["float32", "bfloat16"]
 Quantization = Literal["int8"]
 LayerKind = Literal["gdn", "attention"]
@@ -79,6 +79,11 @@ class ModelConfig:
     # 512 on accelerators. Splash needs a multiple of 128.
     attention_block_size: Optional[int] = None
     remat: RematPolicy = "none"
+    # The sliding-window layers' own policy (None: `remat`'s). At long sequences a full layer's
+    # attention costs far more to run again than a sliding one's, so keeping only the full
+    # layers' context can beat recomputing all where keeping every layer's does not fit:
+    # olmo3_600m at 2 x 32,768 on a v5e, `remat=save_context remat_sliding=full`.
+    remat_sliding: Optional[RematPolicy] = None
     # "int8": the attention and dense-MLP projections run as int8 matmuls forward and backward
     # through Google's Qwix (`quantization.py`; weights and optimiser state stay float32; MoE
     # experts and Gated DeltaNet layers keep the compute dtype); null: none.
@@ -164,6 +169,11 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
+        if self.remat_sliding is not None and self.sliding_window is None:
+            problems.append(
+                f"remat_sliding={self.remat_sliding!r} is the sliding-window layers' policy and this model has none; "
+                "set remat_sliding: null and use remat"
+            )
         if self.loss_chunk_size < 1:
             problems.append(f"loss_chunk_size={self.loss_chunk_size} must be >= 1")
         if problems:
@@ -192,6 +202,10 @@ class ModelConfig:
         if self.scan_layers is None and platform == "tpu":
             return self.n_layers > TPU_UNROLLED_LAYERS
         return self.scanned
+
+    def remat_of(self, *, sliding: bool) -> RematPolicy:
+        """The remat policy of a sliding-window layer or of a full-attention one."""
+        return self.remat_sliding if sliding and self.remat_sliding is not None else self.remat
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:

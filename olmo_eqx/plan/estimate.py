@@ -35,7 +35,7 @@ def _experts(config, mesh, batch_shards: int) -> Optional[dict]:
 
 def _attention_recomputed(remat: str) -> bool:
     """Whether a remat policy runs attention's forward again in the backward pass."""
-    return remat not in ("none", "save_projections", "save_attention", "save_context", "offload_projections")
+    return remat not in ("none", "save_projections", "save_attention", "save_context", "offload_projections", "offload_context")
 
 
 def kernel_mxu_fill(model, chip: Chip) -> float:
@@ -84,7 +84,7 @@ def estimate_step(
     (one micro-batch, layers unrolled, the loss in one chunk: XLA counted everything once, as
     it runs), which is then the step's, and no more compiles are needed.
     """
-    from olmo_eqx.models.flops import attention_context_flops, attention_flops_per_token, attention_layers
+    from olmo_eqx.models.flops import attention_context_flops, attention_layers
 
     model, data = config.model, config.data
     counted_on = None  # how the counts were taken, where not the usual way
@@ -94,8 +94,10 @@ def estimate_step(
     else:
         micro = config.trainer.micro_batches
         if kernel in ("splash", "cudnn") and model.architecture != "olmo_hybrid":
-            # Every layer alike to XLA: plain full-attention layers stand in for each.
-            name, unit_layers, units, unit = "layer", 1, model.n_layers, dict(sliding_window=None)
+            # Every layer alike to XLA: plain full-attention layers stand in for each, under
+            # `remat` (a sliding layer's own `remat_sliding` is counted in its kernel's FLOPs
+            # below; outside the kernel, save_context and full recompute the same XLA ops).
+            name, unit_layers, units, unit = "layer", 1, model.n_layers, dict(sliding_window=None, remat_sliding=None)
         else:
             name, unit_layers, units, unit = "cycle", model.cycle_length, model.n_layers // model.cycle_length, {}
         from olmo_eqx.train.loss import unrolled_loss_chunks
@@ -118,26 +120,24 @@ def estimate_step(
     # (forward 4 of the formula's 12 per context token, again when remat recomputes it).
     kernel_flops = 0.0
     if kernel in ("splash", "cudnn"):
-        tokens = data.global_batch_size * data.sequence_length / len(devices)
-        per_token = attention_flops_per_token(model, data.sequence_length)
-        recomputed = _attention_recomputed(model.remat)
-        kernel_flops = tokens * per_token * (16 / 12 if recomputed else 1.0)
-        if kernel == "splash":
-            from olmo_eqx.models.attention import SPLASH_BLOCK
-            from olmo_eqx.models.splash import fused_backward
+        from olmo_eqx.models.attention import SPLASH_BLOCK
+        from olmo_eqx.models.splash import fused_backward
 
+        tokens = data.global_batch_size * data.sequence_length / len(devices)
+        block, seq = model.attention_block_size or SPLASH_BLOCK, data.sequence_length
+        for context, window in attention_layers(model, seq):  # each layer its own policy (remat_sliding)
+            recomputed = _attention_recomputed(model.remat_of(sliding=window is not None))
+            layer = tokens * attention_context_flops(model, context) * (16 / 12 if recomputed else 1.0)
             # The formula's count stands for the fused backward, where the kernel's MXU share
             # was checked on the chip: 5 matmuls (q k^T again, p^T dO, dO v^T, dk, dq). The
             # separate dq kernel (long sequences; at those, sliding-window layers) computes
             # q k^T and dO v^T once more: 7.
             forward = 2 * (2 if recomputed else 1)  # q k^T and p v, once or twice
-            block, seq = model.attention_block_size or SPLASH_BLOCK, data.sequence_length
-            separate = sum(
-                attention_context_flops(model, context)
-                for context, window in attention_layers(model, seq)
-                if not fused_backward(seq, block, heads=model.n_heads, head_dim=model.head_dim, sliding_window=window)
-            )
-            kernel_flops *= 1 + (separate / per_token) * (2 / (forward + 5))
+            if kernel == "splash" and not fused_backward(
+                seq, block, heads=model.n_heads, head_dim=model.head_dim, sliding_window=window
+            ):
+                layer *= 1 + 2 / (forward + 5)
+            kernel_flops += layer
     kernel_s = kernel_flops / (chip.peak_bf16_flops * kernel_mxu_fill(model, chip))
     compute_s = (flops or 0.0) / chip.peak_bf16_flops + kernel_s
     flops = (flops or 0.0) + kernel_flops
