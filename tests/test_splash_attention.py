@@ -67,6 +67,10 @@ CASES = {
     "five-blocks": dict(seq=600, heads=2, kv_heads=1, sliding_window=None, block_size=128),
     # 5 key blocks, sliding window: the backward's separate dq kernel
     "five-blocks-window": dict(seq=600, heads=2, kv_heads=1, sliding_window=200, block_size=128),
+    # 6 blocks, causal: keys in 256-blocks (splash.key_block), fused backward
+    "six-blocks-wide-keys": dict(seq=700, heads=2, kv_heads=1, sliding_window=None, block_size=128),
+    # 5 blocks of 256, sliding window: the forward scores 128 keys at a time
+    "five-blocks-window-half-compute": dict(seq=1200, heads=2, kv_heads=1, sliding_window=300, block_size=256),
 }
 
 
@@ -196,6 +200,14 @@ def test_attend_keeps_one_copy_of_the_context(capsys):
     assert residuals.count("output of jitted function '_splash_attention'") == 2 * config.n_layers
     assert f"named '{CONTEXT_NAME}'" not in residuals
 
+    # remat_sliding=full: only the full-attention layers (1 in 4) keep theirs.
+    mixed = eqx.combine(params, static).__class__(config.replace(remat_sliding="full"), key=jax.random.key(0))
+    params, static = eqx.partition(mixed, eqx.is_inexact_array)
+    jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(eqx.combine(p, static)(tokens)), params)
+    full_layers = sum(not config.is_sliding(layer) for layer in range(config.n_layers))
+    assert full_layers == config.n_layers // 4
+    assert capsys.readouterr().out.count("output of jitted function '_splash_attention'") == 2 * full_layers
+
 
 def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_few():
     """The fused backward holds one partial dq per key block: past 4 key blocks only a causal
@@ -210,10 +222,26 @@ def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_f
     assert fused(short + 128) and not fused(short + 128, window=100)
     # What the planner's estimate asks, as splash_attention pads and blocks a sequence: OLMo
     # 3's 4096 tokens in 1024-token blocks fuse; 32,768 tokens fuse on olmo3_190m's causal
-    # layers (12 heads of 64: 32 copies of 12 x 32768 x 128 lanes in bf16, 3 GiB), not on
-    # olmo3_600m's (16 heads: 4 GiB) nor on any sliding-window layer; nor 65,536 tokens.
+    # layers (12 heads of 64, 2048-token key blocks: 16 copies of 12 x 32768 x 128 lanes in
+    # bf16, 1.5 GiB), not on olmo3_600m's (16 heads: 2 GiB) nor on any sliding-window layer;
+    # nor 65,536 tokens.
     fuses = functools.partial(splash.fused_backward, block_size=1024)
     assert fuses(4096) and fuses(4096, heads=16, head_dim=80, sliding_window=4096)
     assert fuses(32768, heads=12, head_dim=64) and not fuses(32768, heads=12, head_dim=64, sliding_window=4096)
     assert not fuses(32768, heads=16, head_dim=80) and not fuses(65536, heads=12, head_dim=64)
     assert splash.fused_backward(300, 1024) and not splash.fused_backward(4096, 512)  # key blocks only
+
+
+def test_long_layers_take_wider_key_blocks_or_narrower_score_tiles():
+    """Past 4 key blocks a causal layer's forward and dk/dv kernels take keys in blocks of
+    twice the size, a sliding-window layer's forward scores half a block of keys at a time;
+    shorter sequences, and context parallelism's kernels, keep one block size throughout."""
+    def sizes(seq, window=None, block=256, shards=1):
+        return splash._kernel(seq, 2, window, block, True, shards, head_dim=64).tree_flatten()[1]["block_sizes"]
+
+    causal, sliding, short = sizes(1536), sizes(1536, window=300), sizes(1024)
+    assert (causal.block_q, causal.block_kv, causal.block_kv_compute, causal.block_kv_dkv) == (256, 512, 256, 512)
+    assert (sliding.block_kv, sliding.block_kv_compute, sliding.block_kv_dkv) == (256, 128, 256)
+    assert {short.block_kv, short.block_kv_compute, short.block_kv_dkv} == {256}
+    assert sizes(1536, shards=2).block_kv == 256
+    assert splash.key_block(1536, 256) == 512 and splash.key_block(1280, 256) == 256  # 5 blocks: not 2 whole ones

@@ -30,8 +30,10 @@ LANES = 128
 # The most key blocks for which the backward pass always runs as one fused kernel (see _kernel).
 FUSED_BACKWARD_MAX_KEY_BLOCKS = 4
 # Past that, a causal (full-attention) layer still fuses while one sequence's partial dq copies
-# take at most this many bytes (see _kernel).
-FUSED_BACKWARD_MAX_DQ_BYTES = int(3.5 * 2**30)
+# take at most this many bytes (see _kernel): olmo3_190m's at 32,768 tokens (1.5 GiB), not
+# olmo3_600m's (2 GiB, which took its step with the full layers' context kept to 16.51 GiB of
+# a v5e's 15.75).
+FUSED_BACKWARD_MAX_DQ_BYTES = int(1.5 * 2**30)
 # The checkpoint name of the attention context (attention.CONTEXT_NAME, which `attend` leaves to
 # this kernel's own residuals).
 RESIDUAL_NAME = "attention_context"
@@ -39,6 +41,19 @@ RESIDUAL_NAME = "attention_context"
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def key_block(seq: int, block_size: int, sliding_window: Optional[int] = None, *, context_parallel: bool = False) -> int:
+    """The key block of the forward and dk/dv kernels: `block_size`, but twice that on a causal
+    layer of more than FUSED_BACKWARD_MAX_KEY_BLOCKS blocks (fewer grid steps; half the fused
+    backward's partial dq copies). olmo3_190m's 12 heads of 64 at 2 x 32,768 tokens on a v5e,
+    per layer: forward 54.6 -> 48.6 ms, dk/dv 5.8 ms less (`scripts/bench_splash.py`)."""
+    block = min(block_size, _round_up(seq, LANES))
+    padded = _round_up(seq, block)
+    long = padded // block > FUSED_BACKWARD_MAX_KEY_BLOCKS
+    if long and sliding_window is None and not context_parallel and padded % (2 * block) == 0:
+        return 2 * block
+    return block
 
 
 def fused_backward(
@@ -55,12 +70,13 @@ def fused_backward(
     Without `heads`, only the key-block rule (context parallelism's kernels)."""
     block = min(block_size, _round_up(seq, LANES))
     padded = _round_up(seq, block)
-    key_blocks = padded // block
-    if key_blocks <= FUSED_BACKWARD_MAX_KEY_BLOCKS:
+    if padded // block <= FUSED_BACKWARD_MAX_KEY_BLOCKS:
         return True
     if heads is None or (sliding_window is not None and sliding_window < seq):
         return False
-    # One bf16 dq per key block, its head_dim padded to the 128 lanes of the TPU's tiles.
+    # One bf16 dq per key block of the dk/dv kernel, its head_dim padded to the 128 lanes of
+    # the TPU's tiles.
+    key_blocks = padded // key_block(seq, block_size, sliding_window)
     return key_blocks * heads * padded * _round_up(head_dim, LANES) * 2 <= FUSED_BACKWARD_MAX_DQ_BYTES
 
 
@@ -85,7 +101,7 @@ def _kernel(
     # Without the backward block sizes the kernel has no VJP. One fused backward kernel forms
     # dq beside dk and dv (the separate dq kernel would compute the scores a third time):
     # olmo3_600m on a v5e, full remat, 16 x 4096: 3.29 -> 3.15 s a step (docs/performance.md).
-    # It writes one partial dq per key block and sums them after, so it holds that many copies
+    # It writes one partial dq per key block (key_block's) and sums them after, so it holds that many copies
     # of dq: fine at 4 (4096 tokens in 1024-token blocks). Past that only a causal layer fuses,
     # and only while the copies stay small (FUSED_BACKWARD_MAX_DQ_BYTES; splash_attention then
     # runs the examples one at a time): on olmo3_190m at 32,768 tokens a full layer's backward
@@ -95,12 +111,17 @@ def _kernel(
     # Context parallelism's kernels (q_seq_shards > 1) keep the key-block rule: not measured past it.
     layer = dict(heads=heads, head_dim=head_dim, sliding_window=sliding_window) if q_seq_shards == 1 else {}
     fused = fused_backward(seq, block, **layer)
+    keys = key_block(seq, block, sliding_window, context_parallel=q_seq_shards > 1)
+    # A long sliding-window layer's forward scores 512 keys at a time: 17.0 -> 15.5 ms a layer
+    # (the 190m's at 2 x 32,768 on a v5e), where a causal layer's gained more from 2x keys.
+    long = seq // block > FUSED_BACKWARD_MAX_KEY_BLOCKS and q_seq_shards == 1
+    compute = block // 2 if long and sliding_window is not None and block % (2 * LANES) == 0 else block
     sizes = splash.BlockSizes(
         block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
+        block_kv=keys,
+        block_kv_compute=compute,
         block_q_dkv=block,
-        block_kv_dkv=block,
+        block_kv_dkv=keys,
         block_kv_dkv_compute=block,
         block_q_dq=None if fused else block,
         block_kv_dq=None if fused else block,

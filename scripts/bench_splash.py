@@ -1,0 +1,127 @@
+"""Time splash attention's kernels on the local TPU for several block sizes and layouts.
+
+    python scripts/bench_splash.py                                     # olmo3_190m's layers at 2 x 32,768
+    python scripts/bench_splash.py --heads 16 --head-dim 80            # olmo3_600m's
+    python scripts/bench_splash.py --mask window:4096 --variants "bq=512" "bq=2048,bkv=1024"
+
+Each variant changes `models/splash.py`'s blocks (all 1024, and its fused-backward rule, unless
+named): `bq,bkv,bkvc` for the forward kernel, `bq_dkv,bkv_dkv,bkvc_dkv` for the dk/dv (or fused)
+backward, `bq_dq,bkv_dq` for the separate dq kernel, `fused=0|1`, and `klayout=seq` for K laid
+out [head_dim, seq] (the forward's QK^T then needs no transpose of K's block). The examples run
+one at a time (`lax.map`), as the model's long sequences do. It prints each variant's forward
+and forward+backward time per layer (median of `--repeats`) beside the first variant's.
+
+A kernel micro-benchmark: what the whole step does with a change is measure_step.py's to say.
+On CPU it runs the kernels in interpret mode, which checks the variants build, not their speed.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+from olmo_eqx.models.splash import fused_backward
+
+KEYS = ("bq", "bkv", "bkvc", "bq_dkv", "bkv_dkv", "bkvc_dkv", "bq_dq", "bkv_dq", "fused", "klayout")
+DEFAULT_VARIANTS = ("", "bkvc=512", "bq=2048", "bq=512,bkvc=512", "klayout=seq", "bq_dkv=2048,bkv_dkv=1024")
+
+
+def parse_variant(text: str, *, seq: int, heads: int, head_dim: int, window) -> splash.BlockSizes:
+    """A variant's splash.BlockSizes: 1024 everywhere and models/splash.py's fused rule, then `text`'s changes."""
+    values = dict(bq=1024, bkv=1024, bkvc=None, bq_dkv=1024, bkv_dkv=1024, bkvc_dkv=None, bq_dq=1024, bkv_dq=1024)
+    values["fused"] = fused_backward(seq, 1024, heads=heads, head_dim=head_dim, sliding_window=window)
+    values["klayout"] = "head"
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in KEYS or not value:
+            raise ValueError(f"bad variant item {item!r} in {text!r}: use key=value with key one of {', '.join(KEYS)}")
+        if key != "klayout" and not value.isdigit():
+            raise ValueError(f"bad variant item {item!r} in {text!r}: {key} takes a whole number")
+        values[key] = value if key == "klayout" else int(value)
+    if values["klayout"] not in ("head", "seq"):
+        raise ValueError(f"klayout must be head or seq, got {values['klayout']!r} in {text!r}")
+    fused = bool(values["fused"])
+    layout = splash.QKVLayout.SEQ_MINOR if values["klayout"] == "seq" else splash.QKVLayout.HEAD_DIM_MINOR
+    return splash.BlockSizes(
+        block_q=values["bq"], block_kv=values["bkv"], block_kv_compute=values["bkvc"] or values["bkv"],
+        block_q_dkv=values["bq_dkv"], block_kv_dkv=values["bkv_dkv"], block_kv_dkv_compute=values["bkvc_dkv"] or values["bkv_dkv"],
+        block_q_dq=None if fused else values["bq_dq"], block_kv_dq=None if fused else values["bkv_dq"],
+        use_fused_bwd_kernel=fused, k_layout=layout,
+    )
+
+
+def _median_ms(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--mask", default="causal", help="causal or window:W (OLMo's window, the query included)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    args = parser.parse_args(argv)
+    if args.mask == "causal":
+        window = None
+    elif args.mask.startswith("window:") and args.mask[7:].isdigit() and int(args.mask[7:]) > 0:
+        window = int(args.mask[7:])
+    else:
+        print(f"bench_splash.py: --mask must be causal or window:W with W > 0, got {args.mask!r}", file=sys.stderr)
+        return 2
+    if args.seq % 1024:
+        print(f"bench_splash.py: --seq must be a multiple of 1024, got {args.seq}", file=sys.stderr)
+        return 2
+    try:  # every variant's spelling before the first compile
+        for text in args.variants:
+            parse_variant(text, seq=args.seq, heads=args.heads, head_dim=args.head_dim, window=window)
+    except ValueError as error:
+        print(f"bench_splash.py: {error}", file=sys.stderr)
+        return 2
+    interpret = jax.default_backend() != "tpu"
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, g = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    mask = masks.CausalMask((args.seq, args.seq)) if window is None else masks.LocalMask(
+        (args.seq, args.seq), window_size=(window - 1, 0), offset=0)
+    print(f"{jax.devices()[0].device_kind}: {args.batch} x {args.seq} tokens, {args.heads} heads of {args.head_dim}, "
+          f"mask {args.mask}; ms per layer, median of {args.repeats}", flush=True)
+    base = None
+    for text in args.variants:
+        try:
+            sizes = parse_variant(text, seq=args.seq, heads=args.heads, head_dim=args.head_dim, window=window)
+            with jax.ensure_compile_time_eval():
+                kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * args.heads), block_sizes=sizes,
+                                                head_shards=1, q_seq_shards=1, interpret=interpret)
+            forward = jax.jit(lambda q, k, v: jax.lax.map(lambda x: kernel(*x), (q, k, v)))
+
+            def both(q, k, v, g):
+                out, vjp = jax.vjp(lambda q, k, v: jax.lax.map(lambda x: kernel(*x), (q, k, v)), q, k, v)
+                return out, *vjp(g)
+
+            fwd = _median_ms(forward, (q, k, v), args.repeats)
+            total = _median_ms(jax.jit(both), (q, k, v, g), args.repeats)
+        except Exception as error:  # a variant the kernel or the chip refuses: say so, go on
+            print(f"  {text or 'default':<34} refused: {str(error).splitlines()[0][:150]}", flush=True)
+            continue
+        base = base or (fwd, total)
+        print(f"  {text or 'default':<34} forward {fwd:8.2f}  forward+backward {total:8.2f}  "
+              f"({fwd / base[0]:.3f}x, {total / base[1]:.3f}x the first)  fused={int(sizes.use_fused_bwd_kernel)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
