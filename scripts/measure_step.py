@@ -104,12 +104,14 @@ def measure(
         "sequence_length": data.sequence_length,
         "micro_batches": config.trainer.micro_batches,
         "remat": model.remat,
+        "remat_sliding": model.remat_sliding,
         "attention_kernel": kernel,
         "model_flops_per_device": flops_per_token(model, data.sequence_length)
         * data.global_batch_size * data.sequence_length / len(devices),
     }
     print(f"{result['device']} (jax {jax.__version__}) | {model.name}, {data.global_batch_size} x {data.sequence_length} "
-          f"in {config.trainer.micro_batches} micro-batch(es), {model.compute_dtype} compute, remat {model.remat}, "
+          f"in {config.trainer.micro_batches} micro-batch(es), {model.compute_dtype} compute, remat {model.remat}"
+          f"{f' (sliding layers {model.remat_sliding})' if model.remat_sliding else ''}, "
           f"attention {kernel}", flush=True)
 
     started = time.perf_counter()

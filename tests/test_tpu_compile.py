@@ -261,18 +261,23 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     import olmo_eqx.plan.layouts as layouts_module
 
     config = compose_config([*TINY, "data.global_batch_size=64", "data.sequence_length=2048"])  # 16 sequences per chip
-    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "save_context": 1.02, "full": 1.4}
+    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "save_context": 1.02,
+               "save_context/full": 1.01, "full": 1.4}  # save_context/full: the sliding layers' own policy full
     fewest = {"save_projections": 16, "offload_projections": 4, "save_attention": 2}  # the others fit with 1
 
     def fake_plan(layout, target, devices, *, estimate):
         assert not estimate  # probes compile the step only
         remat, micro = layout.model.remat, layout.trainer.micro_batches
-        return {"remat": remat, "micro_batches": micro, "attention_block_size": layout.model.attention_block_size,
+        return {"remat": remat, "remat_sliding": layout.model.remat_sliding, "micro_batches": micro,
+                "attention_block_size": layout.model.attention_block_size,
                 "fits": micro >= fewest.get(remat, 1), "compile_seconds": 1.0, "bytes": {"total": 0, "needed": 0}}
+
+    def name(row) -> str:
+        return row["remat"] + (f"/{row['remat_sliding']}" if row["remat_sliding"] else "")
 
     def fake_estimate(row, layout, devices, chip):
         block = layout.model.attention_block_size or 1024  # splash's default block on a TPU
-        step = seconds[row["remat"]] * (1 + 0.1 * row["micro_batches"]) * (0.95 if block == 512 else 1.0)
+        step = seconds[name(row)] * (1 + 0.1 * row["micro_batches"]) * (0.95 if block == 512 else 1.0)
         row["estimate"] = {"xla_seconds": step, "roofline_seconds": step, "xla_mfu": 0.5, "roofline_mfu": 0.5}
         return row
 
@@ -280,31 +285,34 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     monkeypatch.setattr(layouts_module, "plan_config", lambda layout, *a, **k: probed.append(layout) or fake_plan(layout, *a, **k))
     monkeypatch.setattr(layouts_module, "add_estimate", fake_estimate)
     found = plan_module.search(config, TARGET, list(range(4)), max_layouts=8, report=lambda line: None)
-    shown = [(r["remat"], r["micro_batches"], r["attention_block_size"], "estimate" in r) for r in found["rows"]]
+    shown = [(name(r), r["micro_batches"], r["attention_block_size"], "estimate" in r) for r in found["rows"]]
     # Bisection over 1, 2, 4, 8, 16: 4 first, then 16/8 or 2/1; refusals shown, unestimated.
     # (Probes that fit but are not the fewest are not shown: 4 micro-batches for save_attention.)
-    assert shown[:10] == [
+    assert shown[:11] == [
         ("save_projections", 4, None, False), ("save_projections", 8, None, False), ("save_projections", 16, None, True),
         ("offload_projections", 1, None, False), ("offload_projections", 2, None, False),
         ("offload_projections", 4, None, True),
         ("save_attention", 1, None, False), ("save_attention", 2, None, True),
-        ("save_context", 1, None, True), ("full", 1, None, True),
+        ("save_context", 1, None, True), ("save_context/full", 1, None, True), ("full", 1, None, True),
     ]
-    assert shown[10:] == [("save_context", 1, 2048, True), ("save_context", 1, 512, True)]
-    assert len(probed) == 15  # 3 + 3 + 3 + 2 + 2 probes, then the two blocks: no layout compiled twice
+    assert shown[11:] == [("save_context", 1, 2048, True), ("save_context", 1, 512, True)]
+    assert len(probed) == 17  # 3 + 3 + 3 + 2 + 2 + 2 probes, then the two blocks: no layout compiled twice
     assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_context", 512)
     # The candidates to measure, fastest first by the estimate, and how they are printed.
-    ranked = [(r["remat"], r["micro_batches"], r["attention_block_size"]) for r in found["ranked"]]
-    assert ranked[:3] == [("save_context", 1, 512), ("save_context", 1, None), ("save_context", 1, 2048)]
-    assert len(ranked) == 7  # every estimated layout that fits
+    ranked = [(name(r), r["micro_batches"], r["attention_block_size"]) for r in found["ranked"]]
+    assert ranked[:3] == [("save_context", 1, 512), ("save_context/full", 1, None), ("save_context", 1, None)]
+    assert len(ranked) == 8  # every estimated layout that fits
     from olmo_eqx.plan.report import format_ranked
 
     printed = format_ranked(found["ranked"]).splitlines()
     assert printed[2:] == [
         "  1. model.remat=save_context trainer.micro_batches=1 model.attention_block_size=512   1.066 s (XLA)",
-        "  2. model.remat=save_context trainer.micro_batches=1   1.122 s (XLA)",
-        "  3. model.remat=save_context trainer.micro_batches=1 model.attention_block_size=2048   1.122 s (XLA)",
+        "  2. model.remat=save_context model.remat_sliding=full trainer.micro_batches=1   1.111 s (XLA)",
+        "  3. model.remat=save_context trainer.micro_batches=1   1.122 s (XLA)",
     ]
+    from olmo_eqx.plan.report import format_row
+
+    assert format_row(found["ranked"][1]).startswith("save_context, sliding full     1  auto")
 
 
 def test_near_ties_go_to_the_layout_the_estimates_can_see():

@@ -15,8 +15,8 @@ from olmo_eqx.train.state import TrainState
 # Fields that change how a model runs but not its weights; a checkpoint may be restored
 # under different values (same list as `registry.with_config` allows).
 RUNTIME_FIELDS = (
-    "attention_impl", "attention_block_size", "remat", "compute_dtype", "loss_chunk_size", "scan_layers", "moe_exchange",
-    "quantization",
+    "attention_impl", "attention_block_size", "remat", "remat_sliding", "compute_dtype", "loss_chunk_size", "scan_layers",
+    "moe_exchange", "quantization",
 )
 # The one list of model fields that may differ between a checkpoint and the config that
 # resumes or continues it: how the model runs, and what a later stage may change without

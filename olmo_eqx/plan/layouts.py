@@ -12,9 +12,14 @@ from olmo_eqx.plan.targets import Target
 
 def _layouts(config, target: Target, batch_shards: int):
     """The remat policies to try, most memory first, and the micro-batch counts (fewest first)."""
-    policies = ["save_projections", "save_attention", "save_context", "full"]
+    policies = [dict(remat=p, remat_sliding=None) for p in ("save_projections", "save_attention", "save_context", "full")]
     if target.platform in ("tpu", "gpu"):
-        policies.insert(1, "offload_projections")  # host offload: accelerators only
+        policies.insert(1, dict(remat="offload_projections", remat_sliding=None))  # host offload: accelerators only
+    if config.model.sliding_window is not None:
+        # Only the full-attention layers keep their context: at long sequences theirs is the
+        # costly attention to run again (olmo3_600m at 2 x 32,768 on a v5e, where every layer's
+        # does not fit).
+        policies.insert(-1, dict(remat="save_context", remat_sliding="full"))
     per_device = config.data.global_batch_size // max(batch_shards, 1)
     micro = [m for m in (1, 2, 4, 8, 16) if per_device and per_device % m == 0] or [1]
     return policies, micro
@@ -55,13 +60,13 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
         return show(row)
 
     policies, counts = _layouts(config, target, shards)
-    for remat in policies:
+    for policy in policies:
         if estimated >= max_layouts:
             break
         lo, hi, fitting = 0, len(counts) - 1, None  # bisect for the fewest micro-batches that fit
         while lo <= hi:
             mid = (lo + hi) // 2
-            row, layout = probe({"remat": remat}, counts[mid])
+            row, layout = probe(policy, counts[mid])
             if row["fits"]:
                 fitting, hi = (row, layout), mid - 1
             else:
@@ -77,7 +82,8 @@ def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: b
         for block in (2 * base, base // 2):
             if estimated >= max_layouts or block < 128 or block > config.data.sequence_length:
                 continue
-            row, layout = probe({"remat": best["remat"], "attention_block_size": block}, best["micro_batches"])
+            policy = {"remat": best["remat"], "remat_sliding": best.get("remat_sliding"), "attention_block_size": block}
+            row, layout = probe(policy, best["micro_batches"])
             if row["fits"]:
                 estimated_row(row, layout)
             else:

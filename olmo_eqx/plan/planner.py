@@ -57,6 +57,7 @@ def plan_config(config, target: Target, devices, *, estimate: bool, hlo_path: st
         "compute_dtype": model.compute_dtype,
         "param_dtype": model.param_dtype,
         "remat": model.remat,
+        "remat_sliding": model.remat_sliding,
         "attention_impl": model.attention_impl,
         "attention_kernel": kernel,
         "attention_block_size": model.attention_block_size,

@@ -26,12 +26,17 @@ def _gib(n: float) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
+def _remat(row: dict) -> str:
+    """A layout's remat, with the sliding-window layers' own policy where it has one."""
+    return row["remat"] + (f", sliding {row['remat_sliding']}" if row.get("remat_sliding") else "")
+
+
 def format_row(row: dict, header: bool = False) -> str:
     """One line per layout of a search."""
     lines = []
     if header:
         lines.append(
-            f"{'remat':<20} {'micro':>5} {'block':>5} {'GiB/dev':>8} {'fits':>4} {'compile':>8} "
+            f"{'remat':<26} {'micro':>5} {'block':>5} {'GiB/dev':>8} {'fits':>4} {'compile':>8} "
             f"{'step (XLA)':>10} {'MFU':>6} {'step (roofline)':>15} {'MFU':>6}"
         )
     est = row.get("estimate") or {}
@@ -39,7 +44,7 @@ def format_row(row: dict, header: bool = False) -> str:
     step = lambda key: f"{seconds(est[key]):>9}s" if est.get(key) else "        -"  # noqa: E731
     mfu = lambda key: f"{100 * est[key]:5.1f}%" if est.get(key) else "     -"  # noqa: E731
     lines.append(
-        f"{row['remat']:<20} {row['micro_batches']:>5} {row['attention_block_size'] or 'auto':>5} {used:8.2f} "
+        f"{_remat(row):<26} {row['micro_batches']:>5} {row['attention_block_size'] or 'auto':>5} {used:8.2f} "
         f"{'yes' if row['fits'] else 'NO':>4} {row['compile_seconds']:7.0f}s {step('xla_seconds'):>10} {mfu('xla_mfu')} "
         f"{step('roofline_seconds'):>15} {mfu('roofline_mfu')}"
         + (f"   +{row['bytes']['host'] / GIB:.2f} GiB host (transfers not estimated)" if row.get("bytes", {}).get("host") else "")
@@ -57,7 +62,9 @@ def format_ranked(ranked: list[dict], top: int = 3) -> str:
     ]
     for i, row in enumerate(ranked[:top], 1):
         lines.append(
-            f"  {i}. model.remat={row['remat']} trainer.micro_batches={row['micro_batches']}"
+            f"  {i}. model.remat={row['remat']}"
+            + (f" model.remat_sliding={row['remat_sliding']}" if row.get("remat_sliding") else "")
+            + f" trainer.micro_batches={row['micro_batches']}"
             + (f" model.attention_block_size={row['attention_block_size']}" if row["attention_block_size"] else "")
             + f"   {seconds(step_seconds(row))} s ({'XLA' if row['estimate']['xla_seconds'] else 'roofline'})"
         )
@@ -71,7 +78,7 @@ def format_plan(p: dict) -> str:
         f"batch {p['global_batch']} x {p['sequence_length']} ("
         + (f"{p['per_device_batch']:g} per device, " if "per_device_batch" in p else "")
         + f"{p['micro_batches']} micro-batch(es)) | compute {p['compute_dtype']}, params {p['param_dtype']} "
-        f"| remat {p['remat']} | attention {p['attention_impl']} -> {p['attention_kernel']} kernel"
+        f"| remat {_remat(p)} | attention {p['attention_impl']} -> {p['attention_kernel']} kernel"
         + (f" (block {p['attention_block_size']})" if p["attention_block_size"] else "")
         + f" | loss chunk {p['loss_chunk_size']}",
         f"{'refused' if p.get('refused') else 'compiled'} in {p['compile_seconds']:.0f} s",
