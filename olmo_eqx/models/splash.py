@@ -101,11 +101,11 @@ def _kernel(
     # Without the backward block sizes the kernel has no VJP. One fused backward kernel forms
     # dq beside dk and dv (the separate dq kernel would compute the scores a third time):
     # olmo3_600m on a v5e, full remat, 16 x 4096: 3.29 -> 3.15 s a step (docs/performance.md).
-    # It writes one partial dq per key block (key_block's) and sums them after, so it holds that many copies
-    # of dq: fine at 4 (4096 tokens in 1024-token blocks). Past that only a causal layer fuses,
-    # and only while the copies stay small (FUSED_BACKWARD_MAX_DQ_BYTES; splash_attention then
-    # runs the examples one at a time): on olmo3_190m at 32,768 tokens a full layer's backward
-    # went 138 -> 99 ms. A sliding-window layer keeps the separate dq kernel: the fused kernel
+    # It writes one partial dq per key block (key_block's) and sums them after, so it holds
+    # that many copies of dq: fine at 4 (4096 tokens in 1024-token blocks). Past that only a
+    # causal layer fuses, and only while the copies stay small (FUSED_BACKWARD_MAX_DQ_BYTES;
+    # splash_attention then runs the examples one at a time): on olmo3_190m at 32,768 tokens a
+    # full layer's backward went 138 -> 99 ms. A sliding-window layer keeps the separate dq kernel: the fused kernel
     # walks every (query, key) block pair, masked ones too, and ran no faster there (37 ms
     # against 38), holding 32 copies for nothing (docs/performance.md, long sequences).
     # Context parallelism's kernels (q_seq_shards > 1) keep the key-block rule: not measured past it.
