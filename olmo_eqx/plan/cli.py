@@ -9,7 +9,7 @@ from olmo_eqx.plan.compile import _with, target_devices
 from olmo_eqx.plan.estimate import add_estimate
 from olmo_eqx.plan.layouts import search
 from olmo_eqx.plan.planner import plan_config
-from olmo_eqx.plan.report import format_estimate, format_plan, format_ranked
+from olmo_eqx.plan.report import format_estimate, format_plan, format_ranked, remat_label
 from olmo_eqx.plan.targets import compile_on_this_host, parse_target
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         result = search(config, target, devices, max_layouts=options.max_layouts, estimate=estimate)
         best = result["best"]
         print(f"\nsearched {len(result['rows'])} layouts in {result['search_seconds']:.0f} s; ", end="")
-        print("none fits" if best is None else f"best: remat {best['remat']}, {best['micro_batches']} micro-batch(es), "
+        print("none fits" if best is None else f"best: remat {remat_label(best)}, {best['micro_batches']} micro-batch(es), "
               f"attention block {best['attention_block_size'] or 'auto'}\n\n{format_plan(best)}", flush=True)
         if len(result["ranked"]) > 1:
             print(format_ranked(result["ranked"]), flush=True)

@@ -26,7 +26,7 @@ def _gib(n: float) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
-def _remat(row: dict) -> str:
+def remat_label(row: dict) -> str:
     """A layout's remat, with the sliding-window layers' own policy where it has one."""
     return row["remat"] + (f", sliding {row['remat_sliding']}" if row.get("remat_sliding") else "")
 
@@ -44,7 +44,7 @@ def format_row(row: dict, header: bool = False) -> str:
     step = lambda key: f"{seconds(est[key]):>9}s" if est.get(key) else "        -"  # noqa: E731
     mfu = lambda key: f"{100 * est[key]:5.1f}%" if est.get(key) else "     -"  # noqa: E731
     lines.append(
-        f"{_remat(row):<26} {row['micro_batches']:>5} {row['attention_block_size'] or 'auto':>5} {used:8.2f} "
+        f"{remat_label(row):<26} {row['micro_batches']:>5} {row['attention_block_size'] or 'auto':>5} {used:8.2f} "
         f"{'yes' if row['fits'] else 'NO':>4} {row['compile_seconds']:7.0f}s {step('xla_seconds'):>10} {mfu('xla_mfu')} "
         f"{step('roofline_seconds'):>15} {mfu('roofline_mfu')}"
         + (f"   +{row['bytes']['host'] / GIB:.2f} GiB host (transfers not estimated)" if row.get("bytes", {}).get("host") else "")
@@ -78,7 +78,7 @@ def format_plan(p: dict) -> str:
         f"batch {p['global_batch']} x {p['sequence_length']} ("
         + (f"{p['per_device_batch']:g} per device, " if "per_device_batch" in p else "")
         + f"{p['micro_batches']} micro-batch(es)) | compute {p['compute_dtype']}, params {p['param_dtype']} "
-        f"| remat {_remat(p)} | attention {p['attention_impl']} -> {p['attention_kernel']} kernel"
+        f"| remat {remat_label(p)} | attention {p['attention_impl']} -> {p['attention_kernel']} kernel"
         + (f" (block {p['attention_block_size']})" if p["attention_block_size"] else "")
         + f" | loss chunk {p['loss_chunk_size']}",
         f"{'refused' if p.get('refused') else 'compiled'} in {p['compile_seconds']:.0f} s",
