@@ -386,7 +386,7 @@ _REMAT_POLICIES = {
     "save_qkv": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
     # save_context's context, parked in host memory between the passes (TPU, GPU), where the
     # chip cannot hold every layer's. olmo3_600m at 2 x 32,768 on a v5e: the attention forward
-    # no longer runs twice (-500 ms of ops), but the chip then waits on the host link for the
+    # no longer runs twice (600 ms less of ops), but the chip then waits on the host link for the
     # 4.3 GB a pass (heads-major, padded to 128 lanes): 4.617 s against `full`'s 4.635.
     "offload_context": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[],
