@@ -325,6 +325,26 @@ def committed_steps(directory: Path) -> list[int]:
     return [int(p.parent.name) for p in directory.glob(f"*/{COMMIT_MARKER}") if p.parent.name.isdigit()] or [0]
 
 
+def test_a_listing_that_loses_a_step_to_retention_is_taken_again():
+    """Orbax reports a step dir removed while it lists as FileNotFoundError or, when the dir is
+    gone before its metadata file is looked for, NotADirectoryError: both are listed again
+    (the race below once failed CI on the second); a listing that keeps failing still raises."""
+    from olmo_eqx.checkpoint.format import _listed
+
+    for error in (FileNotFoundError, NotADirectoryError):
+        calls = []
+
+        def listing():
+            calls.append(1)
+            if len(calls) < 3:
+                raise error("Path is not a directory: run/checkpoints/2")
+            return [3]
+
+        assert _listed(listing) == [3] and len(calls) == 3
+    with pytest.raises(NotADirectoryError):
+        _listed(lambda: (_ for _ in ()).throw(NotADirectoryError("gone")), attempts=2)
+
+
 def test_an_eval_racing_a_live_runs_retention_never_fails(tmp_path, mesh8):
     """A writer process saves every step with keep_last=1 while this process, as +stage=eval
     does (`locate` pins, `load_model` verifies and restores), reads the run again and again:

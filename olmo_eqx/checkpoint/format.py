@@ -132,12 +132,14 @@ def _listed(list_steps, attempts: int = 5):
 
     Orbax lists the step dirs, then reads each one's metadata; a live run's retention (another
     process: eval or export reading a run that trains) can remove a step in between, which
-    Orbax reports as FileNotFoundError. The pins keep the step a reader reads; any other step
-    may go, and a fresh listing no longer has it."""
+    Orbax reports as FileNotFoundError, or as NotADirectoryError when the step dir itself is
+    gone by the time it looks for the metadata file (seen once in CI's eval-racing-retention
+    test). The pins keep the step a reader reads; any other step may go, and a fresh listing
+    no longer has it."""
     for attempt in range(attempts):
         try:
             return list_steps()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             if attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
