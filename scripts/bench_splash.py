@@ -4,8 +4,8 @@
     python scripts/bench_splash.py --heads 16 --head-dim 80            # olmo3_600m's
     python scripts/bench_splash.py --mask window:4096 --variants "bq=512" "bq=2048,bkv=1024"
 
-Each variant changes `models/splash.py`'s blocks (all 1024, and its fused-backward rule, unless
-named): `bq,bkv,bkvc` for the forward kernel, `bq_dkv,bkv_dkv,bkvc_dkv` for the dk/dv (or fused)
+Each variant changes the blocks `models/splash.py` gives the layer (`block_sizes`, 1024-token
+blocks): `bq,bkv,bkvc` for the forward kernel, `bq_dkv,bkv_dkv,bkvc_dkv` for the dk/dv (or fused)
 backward, `bq_dq,bkv_dq` for the separate dq kernel, `fused=0|1`, and `klayout=seq` for K laid
 out [head_dim, seq] (the forward's QK^T then needs no transpose of K's block). The examples run
 one at a time (`lax.map`), as the model's long sequences do. It prints each variant's forward
@@ -25,17 +25,20 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from olmo_eqx.models.splash import fused_backward
+from olmo_eqx.models.splash import block_sizes
 
 KEYS = ("bq", "bkv", "bkvc", "bq_dkv", "bkv_dkv", "bkvc_dkv", "bq_dq", "bkv_dq", "fused", "klayout")
-DEFAULT_VARIANTS = ("", "bkvc=512", "bq=2048", "bq=512,bkvc=512", "klayout=seq", "bq_dkv=2048,bkv_dkv=1024")
+DEFAULT_VARIANTS = ("", "bkvc=512", "bkv=1024,bkv_dkv=1024", "bq=512", "klayout=seq")
 
 
 def parse_variant(text: str, *, seq: int, heads: int, head_dim: int, window) -> splash.BlockSizes:
-    """A variant's splash.BlockSizes: 1024 everywhere and models/splash.py's fused rule, then `text`'s changes."""
-    values = dict(bq=1024, bkv=1024, bkvc=None, bq_dkv=1024, bkv_dkv=1024, bkvc_dkv=None, bq_dq=1024, bkv_dq=1024)
-    values["fused"] = fused_backward(seq, 1024, heads=heads, head_dim=head_dim, sliding_window=window)
-    values["klayout"] = "head"
+    """A variant's splash.BlockSizes: the model's for this layer (`models.splash.block_sizes`,
+    1024-token blocks), then `text`'s changes."""
+    sizes = block_sizes(seq, heads, window, 1024, head_dim=head_dim)
+    values = dict(bq=sizes.block_q, bkv=sizes.block_kv, bkvc=sizes.block_kv_compute, bq_dkv=sizes.block_q_dkv,
+                  bkv_dkv=sizes.block_kv_dkv, bkvc_dkv=sizes.block_kv_dkv_compute, bq_dq=sizes.block_q_dq or 1024,
+                  bkv_dq=sizes.block_kv_dq or 1024, fused=sizes.use_fused_bwd_kernel, klayout="head")
+    changed = set()
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in KEYS or not value:
@@ -43,13 +46,18 @@ def parse_variant(text: str, *, seq: int, heads: int, head_dim: int, window) -> 
         if key != "klayout" and not value.isdigit():
             raise ValueError(f"bad variant item {item!r} in {text!r}: {key} takes a whole number")
         values[key] = value if key == "klayout" else int(value)
+        changed.add(key)
     if values["klayout"] not in ("head", "seq"):
         raise ValueError(f"klayout must be head or seq, got {values['klayout']!r} in {text!r}")
+    # A changed key block keeps its score tile unless that is named too.
+    for block, tile in (("bkv", "bkvc"), ("bkv_dkv", "bkvc_dkv")):
+        if block in changed and tile not in changed:
+            values[tile] = min(values[tile], values[block])
     fused = bool(values["fused"])
     layout = splash.QKVLayout.SEQ_MINOR if values["klayout"] == "seq" else splash.QKVLayout.HEAD_DIM_MINOR
     return splash.BlockSizes(
-        block_q=values["bq"], block_kv=values["bkv"], block_kv_compute=values["bkvc"] or values["bkv"],
-        block_q_dkv=values["bq_dkv"], block_kv_dkv=values["bkv_dkv"], block_kv_dkv_compute=values["bkvc_dkv"] or values["bkv_dkv"],
+        block_q=values["bq"], block_kv=values["bkv"], block_kv_compute=values["bkvc"],
+        block_q_dkv=values["bq_dkv"], block_kv_dkv=values["bkv_dkv"], block_kv_dkv_compute=values["bkvc_dkv"],
         block_q_dq=None if fused else values["bq_dq"], block_kv_dq=None if fused else values["bkv_dq"],
         use_fused_bwd_kernel=fused, k_layout=layout,
     )

@@ -80,6 +80,30 @@ def fused_backward(
     return key_blocks * heads * padded * _round_up(head_dim, LANES) * 2 <= FUSED_BACKWARD_MAX_DQ_BYTES
 
 
+def block_sizes(
+    seq: int, heads: int, sliding_window: Optional[int], block: int, q_seq_shards: int = 1, head_dim: int = LANES
+) -> splash.BlockSizes:
+    """The kernel's blocks for a `seq`-token (padded) layer in `block`-token blocks (see _kernel)."""
+    layer = dict(heads=heads, head_dim=head_dim, sliding_window=sliding_window) if q_seq_shards == 1 else {}
+    fused = fused_backward(seq, block, **layer)
+    keys = key_block(seq, block, sliding_window, context_parallel=q_seq_shards > 1)
+    # A long sliding-window layer's forward scores 512 keys at a time: 17.0 -> 15.5 ms a layer
+    # (the 190m's at 2 x 32,768 on a v5e), where a causal layer's gained more from 2x keys.
+    long = seq // block > FUSED_BACKWARD_MAX_KEY_BLOCKS and q_seq_shards == 1
+    compute = block // 2 if long and sliding_window is not None and block % (2 * LANES) == 0 else block
+    return splash.BlockSizes(
+        block_q=block,
+        block_kv=keys,
+        block_kv_compute=compute,
+        block_q_dkv=block,
+        block_kv_dkv=keys,
+        block_kv_dkv_compute=block,
+        block_q_dq=None if fused else block,
+        block_kv_dq=None if fused else block,
+        use_fused_bwd_kernel=fused,
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def _kernel(
     seq: int,
@@ -109,24 +133,7 @@ def _kernel(
     # walks every (query, key) block pair, masked ones too, and ran no faster there (37 ms
     # against 38), holding 32 copies for nothing (docs/performance.md, long sequences).
     # Context parallelism's kernels (q_seq_shards > 1) keep the key-block rule: not measured past it.
-    layer = dict(heads=heads, head_dim=head_dim, sliding_window=sliding_window) if q_seq_shards == 1 else {}
-    fused = fused_backward(seq, block, **layer)
-    keys = key_block(seq, block, sliding_window, context_parallel=q_seq_shards > 1)
-    # A long sliding-window layer's forward scores 512 keys at a time: 17.0 -> 15.5 ms a layer
-    # (the 190m's at 2 x 32,768 on a v5e), where a causal layer's gained more from 2x keys.
-    long = seq // block > FUSED_BACKWARD_MAX_KEY_BLOCKS and q_seq_shards == 1
-    compute = block // 2 if long and sliding_window is not None and block % (2 * LANES) == 0 else block
-    sizes = splash.BlockSizes(
-        block_q=block,
-        block_kv=keys,
-        block_kv_compute=compute,
-        block_q_dkv=block,
-        block_kv_dkv=keys,
-        block_kv_dkv_compute=block,
-        block_q_dq=None if fused else block,
-        block_kv_dq=None if fused else block,
-        use_fused_bwd_kernel=fused,
-    )
+    sizes = block_sizes(seq, heads, sliding_window, block, q_seq_shards, head_dim)
     # The first call usually comes from inside a jit/shard_map trace, where the kernel's
     # jnp.array(mask info) would be a tracer that the cache leaks into the next trace: build
     # eagerly and keep the mask info as numpy, which every later trace embeds as a constant.
