@@ -151,23 +151,6 @@ def objective(sums: LossSums, z_loss_weight: float, normaliser: Float[Array, ""]
     return (sums.ce + z_loss_weight * sums.z) / jnp.maximum(normaliser, 1.0)
 
 
-# The head's gradient sums h^T d_logits over every token into one float32 [d_model, vocab]
-# buffer. Adding one chunk's product reads and writes that whole buffer (8 d_model vocab
-# bytes), and at a chunk of about a thousand tokens that traffic outweighs the product's FLOPs
-# on a TPU (olmo3_600m at 16 x 4096 in 512-position chunks: 166 ms of a 2.56 s step for 85 ms
-# of MXU work). So the chunks' gradients of the logits (compute dtype) are kept for a group of
-# chunks of about this many tokens, which enters the head's gradient in one matmul; the rest of
-# a chunk's work stays one chunk at a time.
-HEAD_GRADIENT_TOKENS = 4096
-
-
-def head_gradient_group(n_chunks: int, chunk_tokens: int, group_tokens: int = HEAD_GRADIENT_TOKENS) -> int:
-    """How many loss chunks share one matmul into the head's gradient: the most that divides
-    `n_chunks` and holds no more than `group_tokens` tokens (at least one chunk)."""
-    most = max(1, group_tokens // max(chunk_tokens, 1))
-    return max(g for g in range(1, min(most, n_chunks) + 1) if n_chunks % g == 0)
-
-
 def fused_head_loss(
     hidden: Float[Array, "batch seq d_model"],
     head: Float[Array, "d_model padded_vocab"],
@@ -178,31 +161,27 @@ def fused_head_loss(
     chunk_size: int,
     z_loss_weight: float,
     constrain: Constrain = unconstrained,
-    head_gradient_tokens: int = HEAD_GRADIENT_TOKENS,
 ) -> tuple[Float[Array, ""], LossSums]:
     """(ce + z_loss_weight * z, the `LossSums`) of `hidden @ head`, for training: the first
     is differentiable, the sums are metrics (no gradient flows through them).
 
     Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's float32 logits are
     computed once, and in the same pass their gradient, `w * (softmax * (1 + 2 z_w lse) -
-    onehot(label))`, is formed and multiplied into the gradient of the hidden states; the
-    head's gradient takes a group of chunks' logit gradients at a time (`head_gradient_group`)
-    and sums in float32. The backward pass only scales them by the incoming cotangent.
-    Autodiff of the chunked loss instead computes every chunk's logits twice (forward, then
-    again under remat in the backward pass) and reads them in more passes; at the OLMo 3
-    vocabulary that is a large part of a small model's step on a TPU (docs/performance.md,
-    "Speed on TPU").
+    onehot(label))`, is formed and multiplied into the gradients of the hidden states and of
+    the head (accumulated in float32 over the chunks). The backward pass only scales them by
+    the incoming cotangent. Autodiff of the chunked loss instead computes every chunk's
+    logits twice (forward, then again under remat in the backward pass) and reads them in
+    more passes; at the OLMo 3 vocabulary that is a large part of a small model's step on a
+    TPU (docs/performance.md, "Speed on TPU").
     """
     labels, weights = _shifted_targets(input_ids, loss_mask)
     head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
     batch, length, d_model = hidden.shape
     n_chunks = -(-length // chunk_size)
     size = min(chunk_size, length)
-    group = head_gradient_group(n_chunks, batch * size, head_gradient_tokens)
-    unroll = _UNROLL_CHUNKS.get()
 
     def chunk_pass(head, carry, xs):  # head: run's argument (a closure would leak its tracer)
-        ce, z = carry
+        ce, z, d_head = carry
         h, labels, weights = xs
         logits = _head_logits(h, head, vocab_size, constrain)
         sums, lse = _sums_and_lse(logits, labels, weights)
@@ -216,36 +195,20 @@ def fused_head_loss(
         d_logits = jnp.where(counted, d_logits - jnp.where(onehot, w, 0.0), 0.0).astype(h.dtype)
         d_logits = constrain(d_logits, ("batch", "sequence", "act_vocab"))
         d_h = jnp.einsum("bcv,dv->bcd", d_logits, head)
-        return (ce + sums.ce, z + sums.z), (d_h, d_logits)
-
-    def group_pass(head, carry, xs):  # xs: [group, batch, size, ...], one matmul into d_head
-        ce, z, d_head = carry
-        if group == 1:
-            (ce, z), (d_h, d_logits) = chunk_pass(head, (ce, z), tuple(x[0] for x in xs))
-            d_h, d_logits = d_h[None], d_logits[None]
-        else:
-            (ce, z), (d_h, d_logits) = jax.lax.scan(
-                functools.partial(chunk_pass, head), (ce, z), xs, unroll=unroll or 1
-            )
-        d_head = d_head + jnp.einsum("gbcd,gbcv->dv", xs[0], d_logits, preferred_element_type=jnp.float32)
-        return (ce, z, d_head), d_h
+        d_head = d_head + jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
+        return (ce + sums.ce, z + sums.z, d_head), d_h
 
     def run(hidden, head):
         zero = jnp.zeros((), jnp.float32)
         init = (zero, zero, jnp.zeros(head.shape, jnp.float32))
         if n_chunks == 1:
-            (ce, z, d_head), d_h = group_pass(head, init, tuple(x[None] for x in (hidden, labels, weights)))
-            return (ce + z_loss_weight * z, ce, z), (d_h[0], d_head)
-        xs = tuple(_chunks(x, n_chunks, size) for x in (hidden, labels, weights))
-        if group == n_chunks:  # one group: no loop over groups
-            (ce, z, d_head), d_chunks = group_pass(head, init, xs)
+            (ce, z, d_head), d_hidden = chunk_pass(head, init, (hidden, labels, weights))
         else:
-            grouped = tuple(x.reshape(n_chunks // group, group, *x.shape[1:]) for x in xs)
-            (ce, z, d_head), d_groups = jax.lax.scan(
-                functools.partial(group_pass, head), init, grouped, unroll=unroll or 1
+            xs = tuple(_chunks(x, n_chunks, size) for x in (hidden, labels, weights))
+            (ce, z, d_head), d_chunks = jax.lax.scan(
+                functools.partial(chunk_pass, head), init, xs, unroll=_UNROLL_CHUNKS.get() or 1
             )
-            d_chunks = d_groups.reshape(n_chunks, batch, size, d_model)
-        d_hidden = jnp.moveaxis(d_chunks, 0, 1).reshape(batch, n_chunks * size, d_model)[:, :length]
+            d_hidden = jnp.moveaxis(d_chunks, 0, 1).reshape(batch, n_chunks * size, d_model)[:, :length]
         return (ce + z_loss_weight * z, ce, z), (d_hidden, d_head)
 
     @jax.custom_vjp
