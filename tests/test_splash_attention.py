@@ -223,13 +223,49 @@ def test_the_backward_is_one_fused_kernel_only_while_its_partial_dq_copies_are_f
     # What the planner's estimate asks, as splash_attention pads and blocks a sequence: OLMo
     # 3's 4096 tokens in 1024-token blocks fuse; 32,768 tokens fuse on olmo3_190m's causal
     # layers (12 heads of 64, 2048-token key blocks: 16 copies of 12 x 32768 x 128 lanes in
-    # bf16, 1.5 GiB), not on olmo3_600m's (16 heads: 2 GiB) nor on any sliding-window layer;
-    # nor 65,536 tokens.
+    # bf16, 1.5 GiB), not on olmo3_600m's all at once (16 heads: 2 GiB; it splits them,
+    # head_groups) nor on any sliding-window layer; nor 65,536 tokens.
     fuses = functools.partial(splash.fused_backward, block_size=1024)
     assert fuses(4096) and fuses(4096, heads=16, head_dim=80, sliding_window=4096)
     assert fuses(32768, heads=12, head_dim=64) and not fuses(32768, heads=12, head_dim=64, sliding_window=4096)
     assert not fuses(32768, heads=16, head_dim=80) and not fuses(65536, heads=12, head_dim=64)
     assert splash.fused_backward(300, 1024) and not splash.fused_backward(4096, 512)  # key blocks only
+
+
+def test_a_long_causal_layer_too_wide_to_fuse_runs_its_heads_in_groups_that_fuse(monkeypatch):
+    """Where all heads' partial dq copies pass FUSED_BACKWARD_MAX_DQ_BYTES, the fewest groups of
+    whole kv heads whose copies stay under it run one at a time, each with the fused backward:
+    same outputs and gradients as the masked-softmax reference (GQA heads kept with their kv
+    head), and with documents the same as all heads at once."""
+    # olmo3_600m's full layers at 2 x 32,768 (16 heads of 80): 2 groups of 8; olmo3_190m's
+    # (12 of 64) fuse whole; a sliding-window layer and a short sequence are never split.
+    assert splash.head_groups(32768, 1024, 16, 16, head_dim=80) == 2
+    assert splash.fused_backward(32768, 1024, heads=8, head_dim=80)
+    assert splash.head_groups(32768, 1024, 12, 12, head_dim=64) == 1
+    assert splash.head_groups(32768, 1024, 16, 16, head_dim=80, sliding_window=4096) == 1
+    assert splash.head_groups(4096, 1024, 16, 16, head_dim=80) == 1
+
+    q, k, v, cotangent = _inputs(700, heads=4, kv_heads=2)  # 768 tokens: 3 key blocks of 256
+    one_group = 3 * 4 * 768 * 128 * 2
+    monkeypatch.setattr(splash, "FUSED_BACKWARD_MAX_DQ_BYTES", one_group // 2)
+    splash._kernel.cache_clear()
+    assert splash.head_groups(768, 128, 4, 2, head_dim=64) == 2
+    kernel = functools.partial(splash_attention, sliding_window=None, interpret=True, block_size=128)
+    got = _forward_and_gradients(kernel, q, k, v, cotangent)
+    want = _forward_and_gradients(functools.partial(masked_softmax_attention, sliding_window=None), q, k, v, cotangent)
+    errors = {name: _relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    assert all(e <= TOLERANCE for e in errors.values()), errors
+    assert splash._kernel(768, 2, None, 128, True, head_dim=64).tree_flatten()[1]["block_sizes"].use_fused_bwd_kernel
+
+    documents = jnp.concatenate([jnp.zeros((2, 300), jnp.int32), jnp.ones((2, 400), jnp.int32)], axis=1)
+    with_documents = functools.partial(kernel, segment_ids=documents)
+    grouped = _forward_and_gradients(with_documents, q, k, v, cotangent)
+    monkeypatch.setattr(splash, "FUSED_BACKWARD_MAX_DQ_BYTES", one_group)
+    splash._kernel.cache_clear()
+    whole = _forward_and_gradients(with_documents, q, k, v, cotangent)
+    splash._kernel.cache_clear()
+    for g, w in zip(grouped, whole):
+        assert _relative_error(g, w) <= TOLERANCE
 
 
 def test_long_layers_take_wider_key_blocks_or_narrower_score_tiles():

@@ -80,6 +80,30 @@ def fused_backward(
     return key_blocks * heads * padded * _round_up(head_dim, LANES) * 2 <= FUSED_BACKWARD_MAX_DQ_BYTES
 
 
+def head_groups(
+    seq: int,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    *,
+    head_dim: int = LANES,
+    sliding_window: Optional[int] = None,
+) -> int:
+    """In how many groups of heads, one group at a time, a layer's kernel runs: the fewest that
+    let a long causal layer's backward fuse (its partial dq copies under
+    FUSED_BACKWARD_MAX_DQ_BYTES in each group), 1 where all heads fuse at once or no split
+    does. A group takes whole kv heads with their query heads (GQA's grouping). olmo3_600m's
+    16 heads of 80 at 2 x 32,768 tokens: 2 groups of 8, each full layer's backward on a v5e
+    258 -> 214 ms with the forward (`scripts/bench_splash.py`)."""
+    fuses = functools.partial(fused_backward, seq, block_size, head_dim=head_dim, sliding_window=sliding_window)
+    if fuses(heads=heads):
+        return 1
+    for groups in range(2, kv_heads + 1):
+        if kv_heads % groups == 0 and fuses(heads=heads // groups):
+            return groups
+    return 1
+
+
 def block_sizes(
     seq: int, heads: int, sliding_window: Optional[int], block: int, q_seq_shards: int = 1, head_dim: int = LANES
 ) -> splash.BlockSizes:
@@ -192,17 +216,25 @@ def splash_attention(
     if segment_ids is not None:  # padding continues the last document; causality hides it
         segment_ids = jnp.pad(segment_ids, [(0, 0), (0, padded - seq)], mode="edge")
     q, k, v = (_heads_major(jnp.pad(x, pad)) for x in (_scaled(q), k, v))
-    heads, head_dim = q.shape[1], q.shape[-1]
-    kernel = _kernel(padded, heads, sliding_window, block, interpret, head_dim=head_dim)
+    batch, heads, _, head_dim = q.shape
+    groups = head_groups(padded, block, heads, k.shape[1], head_dim=head_dim, sliding_window=sliding_window)
+    kernel = _kernel(padded, heads // groups, sliding_window, block, interpret, head_dim=head_dim)
 
     def one(q, k, v, seg):
         return kernel(q, k, v, segment_ids=_segments(seg))
 
     if padded // block > FUSED_BACKWARD_MAX_KEY_BLOCKS:
-        # A long sequence runs one example at a time: a fused backward's partial dq copies
-        # were sized for one (fused_backward), and on olmo3_190m at 2 x 32,768 tokens this
-        # also took 70 ms of copies and transposes around the kernels out of the step.
-        out = jax.lax.map(lambda args: one(*args), (q, k, v, segment_ids))
+        # A long sequence runs one example (and one group of heads, head_groups) at a time:
+        # a fused backward's partial dq copies were sized for one (fused_backward), and on
+        # olmo3_190m at 2 x 32,768 tokens this also took 70 ms of copies and transposes
+        # around the kernels out of the step.
+        def split(x):  # [batch, heads, ...] -> [batch * groups, heads / groups, ...]
+            return x.reshape(batch * groups, x.shape[1] // groups, *x.shape[2:])
+
+        if segment_ids is not None:
+            segment_ids = jnp.repeat(segment_ids, groups, axis=0)
+        out = jax.lax.map(lambda args: one(*args), (split(q), split(k), split(v), segment_ids))
+        out = out.reshape(batch, heads, *out.shape[2:])
     else:
         out = jax.vmap(one)(q, k, v, segment_ids)
     return jnp.swapaxes(out, 1, 2)[:, :seq]

@@ -121,7 +121,7 @@ def estimate_step(
     kernel_flops = 0.0
     if kernel in ("splash", "cudnn"):
         from olmo_eqx.models.attention import SPLASH_BLOCK
-        from olmo_eqx.models.splash import fused_backward
+        from olmo_eqx.models.splash import fused_backward, head_groups
 
         tokens = data.global_batch_size * data.sequence_length / len(devices)
         block, seq = model.attention_block_size or SPLASH_BLOCK, data.sequence_length
@@ -133,9 +133,9 @@ def estimate_step(
             # separate dq kernel (long sequences; at those, sliding-window layers) computes
             # q k^T and dO v^T once more: 7.
             forward = 2 * (2 if recomputed else 1)  # q k^T and p v, once or twice
-            if kernel == "splash" and not fused_backward(
-                seq, block, heads=model.n_heads, head_dim=model.head_dim, sliding_window=window
-            ):
+            shape = dict(head_dim=model.head_dim, sliding_window=window)
+            groups = head_groups(seq, block, model.n_heads, model.n_kv_heads, **shape)
+            if kernel == "splash" and not fused_backward(seq, block, heads=model.n_heads // groups, **shape):
                 layer *= 1 + 2 / (forward + 5)
             kernel_flops += layer
     kernel_s = kernel_flops / (chip.peak_bf16_flops * kernel_mxu_fill(model, chip))
