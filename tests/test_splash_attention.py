@@ -69,6 +69,8 @@ CASES = {
     "five-blocks-window": dict(seq=600, heads=2, kv_heads=1, sliding_window=200, block_size=128),
     # 6 blocks, causal: keys in 256-blocks (splash.key_block), fused backward
     "six-blocks-wide-keys": dict(seq=700, heads=2, kv_heads=1, sliding_window=None, block_size=128),
+    # 6 blocks of 256, causal: keys in 512-blocks scored 128 at a time, fused backward
+    "six-blocks-wide-keys-half-compute": dict(seq=1400, heads=2, kv_heads=1, sliding_window=None, block_size=256),
     # 5 blocks of 256, sliding window: the forward scores 128 keys at a time
     "five-blocks-window-half-compute": dict(seq=1200, heads=2, kv_heads=1, sliding_window=300, block_size=256),
 }
@@ -268,15 +270,15 @@ def test_a_long_causal_layer_too_wide_to_fuse_runs_its_heads_in_groups_that_fuse
         assert _relative_error(g, w) <= TOLERANCE
 
 
-def test_long_layers_take_wider_key_blocks_or_narrower_score_tiles():
+def test_long_layers_take_wider_key_blocks_and_narrower_score_tiles():
     """Past 4 key blocks a causal layer's forward and dk/dv kernels take keys in blocks of
-    twice the size, a sliding-window layer's forward scores half a block of keys at a time;
+    twice the size, and every long layer's forward scores half a block of keys at a time;
     shorter sequences, and context parallelism's kernels, keep one block size throughout."""
     def sizes(seq, window=None, block=256, shards=1):
         return splash._kernel(seq, 2, window, block, True, shards, head_dim=64).tree_flatten()[1]["block_sizes"]
 
     causal, sliding, short = sizes(1536), sizes(1536, window=300), sizes(1024)
-    assert (causal.block_q, causal.block_kv, causal.block_kv_compute, causal.block_kv_dkv) == (256, 512, 256, 512)
+    assert (causal.block_q, causal.block_kv, causal.block_kv_compute, causal.block_kv_dkv) == (256, 512, 128, 512)
     assert (sliding.block_kv, sliding.block_kv_compute, sliding.block_kv_dkv) == (256, 128, 256)
     assert {short.block_kv, short.block_kv_compute, short.block_kv_dkv} == {256}
     assert sizes(1536, shards=2).block_kv == 256

@@ -111,10 +111,11 @@ def block_sizes(
     layer = dict(heads=heads, head_dim=head_dim, sliding_window=sliding_window) if q_seq_shards == 1 else {}
     fused = fused_backward(seq, block, **layer)
     keys = key_block(seq, block, sliding_window, context_parallel=q_seq_shards > 1)
-    # A long sliding-window layer's forward scores 512 keys at a time: 17.0 -> 15.5 ms a layer
-    # (the 190m's at 2 x 32,768 on a v5e), where a causal layer's gained more from 2x keys.
+    # A long layer's forward scores half a block of keys (512) at a time: a sliding-window
+    # layer's 17.0 -> 15.5 ms, a causal one's inside its 2x key blocks 48.6 -> 46.1 ms (the
+    # 190m's at 2 x 32,768 on a v5e; the 600m's causal 66.9 -> 64.0).
     long = seq // block > FUSED_BACKWARD_MAX_KEY_BLOCKS and q_seq_shards == 1
-    compute = block // 2 if long and sliding_window is not None and block % (2 * LANES) == 0 else block
+    compute = block // 2 if long and block % (2 * LANES) == 0 else block
     return splash.BlockSizes(
         block_q=block,
         block_kv=keys,
