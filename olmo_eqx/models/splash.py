@@ -30,8 +30,9 @@ LANES = 128
 # The most key blocks for which the backward pass always runs as one fused kernel (see _kernel).
 FUSED_BACKWARD_MAX_KEY_BLOCKS = 4
 # Past that, a causal (full-attention) layer still fuses while one sequence's partial dq copies
-# take at most this many bytes (see _kernel): olmo3_190m's at 32,768 tokens (1.5 GiB), not
-# olmo3_600m's (2 GiB, which took its step with the full layers' context kept to 16.51 GiB of
+# take at most this many bytes (see _kernel): olmo3_190m's at 32,768 tokens (1.5 GiB); a
+# layer with more runs its heads in groups that stay under it (head_groups), as olmo3_600m's
+# do (2 GiB for all 16 heads took its step with the full layers' context kept to 16.51 GiB of
 # a v5e's 15.75).
 FUSED_BACKWARD_MAX_DQ_BYTES = int(1.5 * 2**30)
 # The checkpoint name of the attention context (attention.CONTEXT_NAME, which `attend` leaves to
@@ -93,8 +94,8 @@ def head_groups(
     let a long causal layer's backward fuse (its partial dq copies under
     FUSED_BACKWARD_MAX_DQ_BYTES in each group), 1 where all heads fuse at once or no split
     does. A group takes whole kv heads with their query heads (GQA's grouping). olmo3_600m's
-    16 heads of 80 at 2 x 32,768 tokens: 2 groups of 8, each full layer's backward on a v5e
-    258 -> 214 ms with the forward (`scripts/bench_splash.py`)."""
+    16 heads of 80 at 2 x 32,768 tokens: 2 groups of 8 (a full layer fused, forward and
+    backward, 258 -> 214 ms on a v5e, `scripts/bench_splash.py`; its step 4.274 -> 4.089 s)."""
     fuses = functools.partial(fused_backward, seq, block_size, head_dim=head_dim, sliding_window=sliding_window)
     if fuses(heads=heads):
         return 1
@@ -153,7 +154,7 @@ def _kernel(
     # It writes one partial dq per key block (key_block's) and sums them after, so it holds
     # that many copies of dq: fine at 4 (4096 tokens in 1024-token blocks). Past that only a
     # causal layer fuses, and only while the copies stay small (FUSED_BACKWARD_MAX_DQ_BYTES;
-    # splash_attention then runs the examples one at a time): on olmo3_190m at 32,768 tokens a
+    # splash_attention then runs the examples, and groups of heads, one at a time): on olmo3_190m at 32,768 tokens a
     # full layer's backward went 138 -> 99 ms. A sliding-window layer keeps the separate dq kernel: the fused kernel
     # walks every (query, key) block pair, masked ones too, and ran no faster there (37 ms
     # against 38), holding 32 copies for nothing (docs/performance.md, long sequences).
