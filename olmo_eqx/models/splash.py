@@ -154,10 +154,11 @@ def _kernel(
     # It writes one partial dq per key block (key_block's) and sums them after, so it holds
     # that many copies of dq: fine at 4 (4096 tokens in 1024-token blocks). Past that only a
     # causal layer fuses, and only while the copies stay small (FUSED_BACKWARD_MAX_DQ_BYTES;
-    # splash_attention then runs the examples, and groups of heads, one at a time): on olmo3_190m at 32,768 tokens a
-    # full layer's backward went 138 -> 99 ms. A sliding-window layer keeps the separate dq kernel: the fused kernel
-    # walks every (query, key) block pair, masked ones too, and ran no faster there (37 ms
-    # against 38), holding 32 copies for nothing (docs/performance.md, long sequences).
+    # splash_attention then runs the examples, and groups of heads, one at a time): on
+    # olmo3_190m at 32,768 tokens a full layer's backward went 138 -> 99 ms. A sliding-window
+    # layer keeps the separate dq kernel: the fused kernel walks every (query, key) block pair,
+    # masked ones too, and ran no faster there (37 ms against 38), holding 32 copies for
+    # nothing (docs/performance.md, long sequences).
     # Context parallelism's kernels (q_seq_shards > 1) keep the key-block rule: not measured past it.
     sizes = block_sizes(seq, heads, sliding_window, block, q_seq_shards, head_dim)
     # The first call usually comes from inside a jit/shard_map trace, where the kernel's
