@@ -206,7 +206,8 @@ def test_the_estimate_counts_the_kernel_as_it_runs(monkeypatch):
     `full` remat, and where the backward is the separate dq kernel (at 8,192 tokens in
     1024-token blocks: the sliding-window layers, 60% of the count) that share counted with
     the two matmuls it repeats, 9/7 of the fused kernel's work (11/9 when the forward also
-    runs twice)."""
+    runs twice). At 32,768 tokens the 600m's full layers count as fused: their heads run in
+    two groups (splash.head_groups)."""
     from types import SimpleNamespace
 
     import olmo_eqx.plan.estimate as estimate_module
@@ -220,7 +221,7 @@ def test_the_estimate_counts_the_kernel_as_it_runs(monkeypatch):
 
     def kernel(remat: str, seq: int = 4096) -> dict:
         config = compose_config(["model=olmo3_600m", *f"model.remat={remat}".split(), f"data.sequence_length={seq}",
-                                 f"data.global_batch_size={16 * 4096 // seq}", "trainer.micro_batches=8"])
+                                 f"data.global_batch_size={16 * 4096 // seq}", f"trainer.micro_batches={min(8, 16 * 4096 // seq)}"])
         return estimate_step(config, [None], chip, collective_bytes=0.0, kernel="splash")
 
     kept, recomputed = kernel("save_context"), kernel("full")
@@ -231,6 +232,15 @@ def test_the_estimate_counts_the_kernel_as_it_runs(monkeypatch):
     assert mixed["kernel_flops"] == pytest.approx(kept["kernel_flops"] * 4 / 16 + recomputed["kernel_flops"] * 12 / 16)
     assert kept["kernel_seconds"] == pytest.approx(kept["kernel_flops"] / (chip.peak_bf16_flops * 80 / 128))
     long_kept, long_recomputed = kernel("save_context", 8192), kernel("full", 8192)
+    # At 32,768 tokens the full layers (4 x 32,768 of the count's 4 x 32,768 + 12 x 4,096) fuse
+    # only with their heads in two groups (splash.head_groups); without the groups they would
+    # count the dq kernel's repeat as the sliding-window layers do.
+    grouped = kernel("save_context", 32768)
+    monkeypatch.setattr(splash, "head_groups", lambda *args, **kwargs: 1)
+    full_share = 4 * 32768 / (4 * 32768 + 12 * 4096)
+    assert kernel("save_context", 32768)["kernel_flops"] == pytest.approx(
+        grouped["kernel_flops"] * (9 / 7) / (full_share + (1 - full_share) * 9 / 7)
+    )
     monkeypatch.setattr(splash, "FUSED_BACKWARD_MAX_KEY_BLOCKS", 64)  # every layer fused
     assert long_kept["kernel_flops"] == pytest.approx(kernel("save_context", 8192)["kernel_flops"] * (1 + 0.6 * 2 / 7))
     assert long_recomputed["kernel_flops"] == pytest.approx(kernel("full", 8192)["kernel_flops"] * (1 + 0.6 * 2 / 9))
