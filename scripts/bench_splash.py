@@ -6,9 +6,11 @@
 
 Each variant changes the blocks `models/splash.py` gives the layer (`block_sizes`, 1024-token
 blocks): `bq,bkv,bkvc` for the forward kernel, `bq_dkv,bkv_dkv,bkvc_dkv` for the dk/dv (or fused)
-backward, `bq_dq,bkv_dq` for the separate dq kernel, `fused=0|1`, and `klayout=seq` for K laid
-out [head_dim, seq] (the forward's QK^T then needs no transpose of K's block). The examples run
-one at a time (`lax.map`), as the model's long sequences do. It prints each variant's forward
+backward, `bq_dq,bkv_dq` for the separate dq kernel, `fused=0|1`, `klayout=seq` for K laid
+out [head_dim, seq] (the forward's QK^T then needs no transpose of K's block), and `groups=N`
+for the heads run N groups at a time (default the model's, `head_groups`: 2 for the 600m's
+causal layer at 32,768, `groups=1` all at once). The examples (and groups) run one at a time
+(`lax.map`), as the model's long sequences do. It prints each variant's forward
 and forward+backward time per layer (median of `--repeats`) beside the first variant's.
 
 A kernel micro-benchmark: what the whole step does with a change is measure_step.py's to say.
@@ -25,28 +27,35 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from olmo_eqx.models.splash import block_sizes
+from olmo_eqx.models.splash import block_sizes, head_groups
 
-KEYS = ("bq", "bkv", "bkvc", "bq_dkv", "bkv_dkv", "bkvc_dkv", "bq_dq", "bkv_dq", "fused", "klayout")
+KEYS = ("bq", "bkv", "bkvc", "bq_dkv", "bkv_dkv", "bkvc_dkv", "bq_dq", "bkv_dq", "fused", "klayout", "groups")
 DEFAULT_VARIANTS = ("", "bkvc=512", "bkv=1024,bkv_dkv=1024", "bq=512", "klayout=seq")
 
 
-def parse_variant(text: str, *, seq: int, heads: int, head_dim: int, window) -> splash.BlockSizes:
-    """A variant's splash.BlockSizes: the model's for this layer (`models.splash.block_sizes`,
-    1024-token blocks), then `text`'s changes."""
-    sizes = block_sizes(seq, heads, window, 1024, head_dim=head_dim)
-    values = dict(bq=sizes.block_q, bkv=sizes.block_kv, bkvc=sizes.block_kv_compute, bq_dkv=sizes.block_q_dkv,
-                  bkv_dkv=sizes.block_kv_dkv, bkvc_dkv=sizes.block_kv_dkv_compute, bq_dq=sizes.block_q_dq or 1024,
-                  bkv_dq=sizes.block_kv_dq or 1024, fused=sizes.use_fused_bwd_kernel, klayout="head")
-    changed = set()
+def parse_variant(text: str, *, seq: int, heads: int, head_dim: int, window) -> tuple[splash.BlockSizes, int]:
+    """A variant's splash.BlockSizes and how many groups of heads it runs in: the model's for
+    this layer (`models.splash.head_groups` and `block_sizes`, 1024-token blocks, the bench's
+    heads all kv heads), then `text`'s changes."""
+    changed = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in KEYS or not value:
             raise ValueError(f"bad variant item {item!r} in {text!r}: use key=value with key one of {', '.join(KEYS)}")
         if key != "klayout" and not value.isdigit():
             raise ValueError(f"bad variant item {item!r} in {text!r}: {key} takes a whole number")
-        values[key] = value if key == "klayout" else int(value)
-        changed.add(key)
+        changed[key] = value if key == "klayout" else int(value)
+    if "groups" in changed:
+        groups = changed.pop("groups")
+    else:
+        groups = head_groups(seq, 1024, heads, heads, head_dim=head_dim, sliding_window=window)
+    if groups < 1 or heads % groups:
+        raise ValueError(f"groups={groups} in {text!r} must be at least 1 and divide the {heads} heads")
+    sizes = block_sizes(seq, heads // groups, window, 1024, head_dim=head_dim)
+    values = dict(bq=sizes.block_q, bkv=sizes.block_kv, bkvc=sizes.block_kv_compute, bq_dkv=sizes.block_q_dkv,
+                  bkv_dkv=sizes.block_kv_dkv, bkvc_dkv=sizes.block_kv_dkv_compute, bq_dq=sizes.block_q_dq or 1024,
+                  bkv_dq=sizes.block_kv_dq or 1024, fused=sizes.use_fused_bwd_kernel, klayout="head")
+    values.update(changed)
     if values["klayout"] not in ("head", "seq"):
         raise ValueError(f"klayout must be head or seq, got {values['klayout']!r} in {text!r}")
     # A changed key block keeps its score tile unless that is named too.
@@ -60,7 +69,7 @@ def parse_variant(text: str, *, seq: int, heads: int, head_dim: int, window) -> 
         block_q_dkv=values["bq_dkv"], block_kv_dkv=values["bkv_dkv"], block_kv_dkv_compute=values["bkvc_dkv"],
         block_q_dq=None if fused else values["bq_dq"], block_kv_dq=None if fused else values["bkv_dq"],
         use_fused_bwd_kernel=fused, k_layout=layout,
-    )
+    ), groups
 
 
 def _median_ms(fn, args, repeats: int) -> float:
@@ -110,24 +119,27 @@ def main(argv=None) -> int:
     base = None
     for text in args.variants:
         try:
-            sizes = parse_variant(text, seq=args.seq, heads=args.heads, head_dim=args.head_dim, window=window)
+            sizes, groups = parse_variant(text, seq=args.seq, heads=args.heads, head_dim=args.head_dim, window=window)
             with jax.ensure_compile_time_eval():
-                kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * args.heads), block_sizes=sizes,
+                kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * (args.heads // groups)), block_sizes=sizes,
                                                 head_shards=1, q_seq_shards=1, interpret=interpret)
+            # [batch, heads, ...] -> [batch * groups, heads / groups, ...], as splash_attention splits them
+            grouped = tuple(x.reshape(args.batch * groups, args.heads // groups, *x.shape[2:]) for x in (q, k, v, g))
             forward = jax.jit(lambda q, k, v: jax.lax.map(lambda x: kernel(*x), (q, k, v)))
 
             def both(q, k, v, g):
                 out, vjp = jax.vjp(lambda q, k, v: jax.lax.map(lambda x: kernel(*x), (q, k, v)), q, k, v)
                 return out, *vjp(g)
 
-            fwd = _median_ms(forward, (q, k, v), args.repeats)
-            total = _median_ms(jax.jit(both), (q, k, v, g), args.repeats)
+            fwd = _median_ms(forward, grouped[:3], args.repeats)
+            total = _median_ms(jax.jit(both), grouped, args.repeats)
         except Exception as error:  # a variant the kernel or the chip refuses: say so, go on
             print(f"  {text or 'default':<34} refused: {str(error).splitlines()[0][:150]}", flush=True)
             continue
         base = base or (fwd, total)
         print(f"  {text or 'default':<34} forward {fwd:8.2f}  forward+backward {total:8.2f}  "
-              f"({fwd / base[0]:.3f}x, {total / base[1]:.3f}x the first)  fused={int(sizes.use_fused_bwd_kernel)}", flush=True)
+              f"({fwd / base[0]:.3f}x, {total / base[1]:.3f}x the first)  fused={int(sizes.use_fused_bwd_kernel)} groups={groups}",
+              flush=True)
     return 0
 
 
