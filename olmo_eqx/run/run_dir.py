@@ -18,6 +18,7 @@ is written to that file and `close` stays quiet about it, so the error is said o
 """
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -287,7 +288,9 @@ def remove_if_new_and_empty(path: Path) -> bool:
         return False
     # The processes of one run share its run dir, and each refuses a bad config on its own: they
     # may remove it at the same time. Whatever another removed first is gone, as wanted (a
-    # FileNotFoundError here once made process 0 exit 1 where its peer exited 2).
+    # FileNotFoundError here once made process 0 exit 1 where its peer exited 2). A peer may
+    # also be writing its own Hydra files into it meanwhile (ENOTEMPTY, seen once in CI's Ray
+    # step): then the dir is left to that peer's own removal.
     try:
         entries = list(path.iterdir())
         if any(p.name not in _HYDRA_FILES for p in entries) or any(p.is_file() and p.stat().st_size for p in entries):
@@ -296,6 +299,10 @@ def remove_if_new_and_empty(path: Path) -> bool:
         _remove_with_new_parents(path)
     except FileNotFoundError:
         pass
+    except OSError as error:
+        if error.errno != errno.ENOTEMPTY:
+            raise
+        return False
     return True
 
 
