@@ -271,7 +271,7 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     import olmo_eqx.plan.layouts as layouts_module
 
     config = compose_config([*TINY, "data.global_batch_size=64", "data.sequence_length=2048"])  # 16 sequences per chip
-    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "save_context": 1.02,
+    seconds = {"save_projections": 1.05, "offload_projections": 1.3, "save_attention": 1.0, "save_outputs": 1.03, "save_context": 1.02,
                "save_context/full": 1.01, "full": 1.4}  # save_context/full: the sliding layers' own policy full
     fewest = {"save_projections": 16, "offload_projections": 4, "save_attention": 2}  # the others fit with 1
 
@@ -294,24 +294,24 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     probed = []
     monkeypatch.setattr(layouts_module, "plan_config", lambda layout, *a, **k: probed.append(layout) or fake_plan(layout, *a, **k))
     monkeypatch.setattr(layouts_module, "add_estimate", fake_estimate)
-    found = plan_module.search(config, TARGET, list(range(4)), max_layouts=8, report=lambda line: None)
+    found = plan_module.search(config, TARGET, list(range(4)), max_layouts=9, report=lambda line: None)
     shown = [(name(r), r["micro_batches"], r["attention_block_size"], "estimate" in r) for r in found["rows"]]
     # Bisection over 1, 2, 4, 8, 16: 4 first, then 16/8 or 2/1; refusals shown, unestimated.
     # (Probes that fit but are not the fewest are not shown: 4 micro-batches for save_attention.)
-    assert shown[:11] == [
+    assert shown[:12] == [
         ("save_projections", 4, None, False), ("save_projections", 8, None, False), ("save_projections", 16, None, True),
         ("offload_projections", 1, None, False), ("offload_projections", 2, None, False),
         ("offload_projections", 4, None, True),
-        ("save_attention", 1, None, False), ("save_attention", 2, None, True),
+        ("save_attention", 1, None, False), ("save_attention", 2, None, True), ("save_outputs", 1, None, True),
         ("save_context", 1, None, True), ("save_context/full", 1, None, True), ("full", 1, None, True),
     ]
-    assert shown[11:] == [("save_context", 1, 2048, True), ("save_context", 1, 512, True)]
-    assert len(probed) == 17  # 3 + 3 + 3 + 2 + 2 + 2 probes, then the two blocks: no layout compiled twice
+    assert shown[12:] == [("save_context", 1, 2048, True), ("save_context", 1, 512, True)]
+    assert len(probed) == 19  # 3 + 3 + 3 + 2 + 2 + 2 + 2 probes, then the two blocks: no layout compiled twice
     assert (found["best"]["remat"], found["best"]["attention_block_size"]) == ("save_context", 512)
     # The candidates to measure, fastest first by the estimate, and how they are printed.
     ranked = [(name(r), r["micro_batches"], r["attention_block_size"]) for r in found["ranked"]]
     assert ranked[:3] == [("save_context", 1, 512), ("save_context/full", 1, None), ("save_context", 1, None)]
-    assert len(ranked) == 8  # every estimated layout that fits
+    assert len(ranked) == 9  # every estimated layout that fits
     from olmo_eqx.plan.report import format_ranked
 
     printed = format_ranked(found["ranked"]).splitlines()

@@ -20,7 +20,7 @@ MoEExchange = Literal["all_to_all", "all_gather"]
 # Up to this many layers, `scan_layers: null` unrolls the layers of a TPU program.
 TPU_UNROLLED_LAYERS = 16
 
-RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_context", "save_qkv", "offload_projections", "offload_context"]
+RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_context", "save_outputs", "save_qkv", "offload_projections", "offload_context"]
 DType = Literal["float32", "bfloat16"]
 Quantization = Literal["int8"]
 LayerKind = Literal["gdn", "attention"]

@@ -35,7 +35,8 @@ def _experts(config, mesh, batch_shards: int) -> Optional[dict]:
 
 def _attention_recomputed(remat: str) -> bool:
     """Whether a remat policy runs attention's forward again in the backward pass."""
-    return remat not in ("none", "save_projections", "save_attention", "save_context", "offload_projections", "offload_context")
+    kept = ("none", "save_projections", "save_attention", "save_context", "save_outputs", "offload_projections", "offload_context")
+    return remat not in kept
 
 
 def kernel_mxu_fill(model, chip: Chip) -> float:

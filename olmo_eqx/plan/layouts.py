@@ -12,7 +12,7 @@ from olmo_eqx.plan.targets import Target
 
 def _layouts(config, target: Target, batch_shards: int):
     """The remat policies to try, most memory first, and the micro-batch counts (fewest first)."""
-    policies = [dict(remat=p, remat_sliding=None) for p in ("save_projections", "save_attention", "save_context", "full")]
+    policies = [dict(remat=p, remat_sliding=None) for p in ("save_projections", "save_attention", "save_outputs", "save_context", "full")]
     if target.platform in ("tpu", "gpu"):
         policies.insert(1, dict(remat="offload_projections", remat_sliding=None))  # host offload: accelerators only
     if config.model.sliding_window is not None:
@@ -25,7 +25,7 @@ def _layouts(config, target: Target, batch_shards: int):
     return policies, micro
 
 
-def search(config, target: Target, devices, *, max_layouts: int = 8, estimate: bool = True, report=print) -> dict:
+def search(config, target: Target, devices, *, max_layouts: int = 9, estimate: bool = True, report=print) -> dict:
     """Try layouts for `target` and name the fastest that fits (by the estimates' step time).
 
     Per remat policy, the fewest micro-batches that fit, found by bisection (fitting needs
