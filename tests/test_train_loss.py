@@ -98,3 +98,39 @@ def test_fused_head_loss_equals_autodiff_of_the_chunked_loss(chunk_size):
     np.testing.assert_allclose(flat, got, rtol=1e-6)
     for a, b in zip(flat_grads, got_grads):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_logits_in_the_compute_dtype_are_rounded_once_as_olmo_core_does():
+    """`logits_dtype="compute"`: the head's matmul writes bf16 logits, as OLMo-core's head under
+    bf16 mixed precision, and the loss upcasts them: its sums are `loss_sums` of exactly those
+    bf16 logits (float32 logits give other sums), and the fused gradient is autodiff's."""
+    from olmo_eqx.train.loss import chunked_loss_sums, fused_head_loss
+
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    hidden = jax.random.normal(k1, (2, 12, 16)).astype(jnp.bfloat16)
+    head = (2.0 * jax.random.normal(k2, (16, 32))).astype(jnp.bfloat16)  # 30 real columns
+    ids = jax.random.randint(k3, (2, 12), 0, 30)
+    mask = jnp.ones((2, 12))
+    logits = jnp.matmul(hidden, head)  # bf16, as torch's bf16 Linear
+    assert logits.dtype == jnp.bfloat16
+    want = loss_sums(jnp.where(jnp.arange(32) < 30, logits, -jnp.inf), ids, mask)
+    kw = dict(vocab_size=30, chunk_size=4)
+    rounded = chunked_loss_sums(hidden, head, ids, mask, logits_dtype="compute", **kw)
+    exact = chunked_loss_sums(hidden, head, ids, mask, logits_dtype="float32", **kw)
+    np.testing.assert_allclose(rounded.ce, want.ce, rtol=1e-6)
+    np.testing.assert_allclose(rounded.z, want.z, rtol=1e-6)
+    assert rounded.ce.dtype == jnp.float32
+    assert abs(float(exact.ce) - float(rounded.ce)) > 1e-4 * abs(float(exact.ce))  # the knob is not a no-op
+
+    def reference(hidden, head):
+        sums = chunked_loss_sums(hidden, head, ids, mask, logits_dtype="compute", **kw)
+        return sums.ce + 0.1 * sums.z
+
+    def fused(hidden, head):
+        return fused_head_loss(hidden, head, ids, mask, z_loss_weight=0.1, logits_dtype="compute", **kw)[0]
+
+    np.testing.assert_allclose(jax.jit(fused)(hidden, head), reference(hidden, head), rtol=1e-6)
+    for a, b in zip(jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head), jax.grad(reference, argnums=(0, 1))(hidden, head)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+

@@ -16,7 +16,7 @@ from olmo_eqx.train.state import TrainState
 # under different values (same list as `registry.with_config` allows).
 RUNTIME_FIELDS = (
     "attention_impl", "attention_block_size", "remat", "remat_sliding", "compute_dtype", "loss_chunk_size", "scan_layers",
-    "moe_exchange", "quantization",
+    "moe_exchange", "quantization", "logits_dtype",
 )
 # The one list of model fields that may differ between a checkpoint and the config that
 # resumes or continues it: how the model runs, and what a later stage may change without

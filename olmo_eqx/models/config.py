@@ -20,6 +20,7 @@ MoEExchange = Literal["all_to_all", "all_gather"]
 # Up to this many layers, `scan_layers: null` unrolls the layers of a TPU program.
 TPU_UNROLLED_LAYERS = 16
 
+LogitsDtype = Literal["float32", "compute"]
 RematPolicy = Literal["none", "full", "save_matmuls", "save_projections", "save_attention", "save_context", "save_outputs", "save_qkv", "offload_projections", "offload_context"]
 DType = Literal["float32", "bfloat16"]
 Quantization = Literal["int8"]
@@ -88,9 +89,15 @@ class ModelConfig:
     # through Google's Qwix (`quantization.py`; weights and optimiser state stay float32; MoE
     # experts and Gated DeltaNet layers keep the compute dtype); null: none.
     quantization: Optional[Quantization] = None
-    # Sequence positions per chunk of the training loss: the float32 logits of one chunk
+    # Sequence positions per chunk of the training loss: the logits of one chunk
     # ([batch, chunk, vocab]) exist at a time, rematerialised in the backward pass.
     loss_chunk_size: int = 1024
+    # What the head's matmul writes its logits in; the loss itself always runs in float32.
+    # "compute": the compute dtype, as OLMo-core under FSDP's bf16 mixed precision (its LM head
+    # outputs bf16 logits, its cross-entropy upcasts them) and HF's bf16 models; every pass
+    # over a chunk's logits moves half the bytes (olmo3_600m on a v5e: the head 406 -> 324 ms
+    # a step, with 1024-token chunks). "float32": the matmul's float32 sums, unrounded.
+    logits_dtype: LogitsDtype = "compute"
     # Layers run as a scan over attention cycles (one compiled cycle: compile time and HLO
     # independent of depth, what large models need) or unrolled (no loop: about 6% faster
     # steps on CPU for small models, 6-7% on a TPU). None: unrolled up to 2 cycles (8 OLMo 3

@@ -84,9 +84,11 @@ def _sums(logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq
     return _sums_and_lse(logits, labels, weights)[0]
 
 
-def _head_logits(h: Array, head: Array, vocab_size: int, constrain: Constrain) -> Array:
-    """float32 logits of `h @ head`, the padded vocabulary's columns at -inf."""
-    logits = constrain(dense(h, head, constrain, out_dtype=jnp.float32), ("batch", "sequence", "act_vocab"))
+def _head_logits(h: Array, head: Array, vocab_size: int, constrain: Constrain, logits_dtype: str) -> Array:
+    """Logits of `h @ head` (float32, or h's dtype for `logits_dtype="compute"`), the padded
+    vocabulary's columns at -inf."""
+    out_dtype = jnp.float32 if logits_dtype == "float32" else h.dtype
+    logits = constrain(dense(h, head, constrain, out_dtype=out_dtype), ("batch", "sequence", "act_vocab"))
     if vocab_size < logits.shape[-1]:  # padding columns never enter a prediction
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
     return logits
@@ -116,6 +118,7 @@ def chunked_loss_sums(
     *,
     vocab_size: int,
     chunk_size: int,
+    logits_dtype: str = "compute",
     constrain: Constrain = unconstrained,
 ) -> LossSums:
     """`loss_sums` of `hidden @ head` without ever holding the whole [batch, seq, vocab] logits.
@@ -131,7 +134,7 @@ def chunked_loss_sums(
     head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
 
     def chunk_sums(h, labels, weights) -> LossSums:
-        return _sums(_head_logits(h, head, vocab_size, constrain), labels, weights)
+        return _sums(_head_logits(h, head, vocab_size, constrain, logits_dtype), labels, weights)
 
     length = input_ids.shape[1]
     if length <= chunk_size:  # one chunk: nothing to save by recomputing
@@ -160,6 +163,7 @@ def fused_head_loss(
     vocab_size: int,
     chunk_size: int,
     z_loss_weight: float,
+    logits_dtype: str = "compute",
     constrain: Constrain = unconstrained,
 ) -> tuple[Float[Array, ""], LossSums]:
     """(ce + z_loss_weight * z, the `LossSums`) of `hidden @ head`, for training: the first
@@ -183,7 +187,7 @@ def fused_head_loss(
     def chunk_pass(head, carry, xs):  # head: run's argument (a closure would leak its tracer)
         ce, z, d_head = carry
         h, labels, weights = xs
-        logits = _head_logits(h, head, vocab_size, constrain)
+        logits = _head_logits(h, head, vocab_size, constrain, logits_dtype)
         sums, lse = _sums_and_lse(logits, labels, weights)
         # d(ce + z_w * z)/d(logits), in the compute dtype (as autodiff's cotangent would be
         # when it enters the bf16 matmuls).

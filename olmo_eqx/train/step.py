@@ -129,7 +129,8 @@ def model_loss_sums_and_aux(model: CausalLM, batch: TokenBatch, constrain) -> tu
     config = model.config
     sums = chunked_loss_sums(
         hidden, model.lm_head, batch.input_ids, batch.loss_mask,
-        vocab_size=config.vocab_size, chunk_size=config.loss_chunk_size, constrain=constrain,
+        vocab_size=config.vocab_size, chunk_size=config.loss_chunk_size, logits_dtype=config.logits_dtype,
+        constrain=constrain,
     )
     return sums, aux
 
@@ -146,7 +147,8 @@ def training_loss(
     config = model.config
     weighted, sums = fused_head_loss(
         hidden, model.lm_head, batch.input_ids, batch.loss_mask, vocab_size=config.vocab_size,
-        chunk_size=config.loss_chunk_size, z_loss_weight=z_loss_weight, constrain=constrain,
+        chunk_size=config.loss_chunk_size, z_loss_weight=z_loss_weight, logits_dtype=config.logits_dtype,
+        constrain=constrain,
     )
     return weighted, sums, aux
 
