@@ -134,3 +134,32 @@ def test_logits_in_the_compute_dtype_are_rounded_once_as_olmo_core_does():
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
 
+
+def test_an_external_head_gradient_is_summed_into_the_callers_array():
+    """`head_grad`: the head's gradient leaves as a third result, added to the caller's float32
+    sum and unscaled (gradient accumulation scales once), and autodiff gives the head none;
+    the hidden states' gradient is unchanged."""
+    from olmo_eqx.train.loss import fused_head_loss
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+    hidden = jax.random.normal(k1, (2, 9, 8))
+    head = 0.5 * jax.random.normal(k2, (8, 16))
+    ids = jax.random.randint(k3, (2, 9), 0, 13)
+    mask = (jax.random.uniform(k4, (2, 9)) > 0.2).astype(jnp.float32)
+    kw = dict(vocab_size=13, chunk_size=4, z_loss_weight=0.1)
+    scale = 0.25  # the objective's factor, 1 / count in training
+
+    def plain(hidden, head):
+        return scale * fused_head_loss(hidden, head, ids, mask, **kw)[0]
+
+    def external(hidden, head, head_grad):
+        value, _, head_grad = fused_head_loss(hidden, head, ids, mask, head_grad=head_grad, **kw)
+        return scale * value, head_grad
+
+    earlier = jax.random.normal(jax.random.key(6), head.shape)  # what earlier micro-batches summed
+    want_hidden, want_head = jax.grad(plain, argnums=(0, 1))(hidden, head)
+    (got_hidden, got_head), summed = jax.jit(jax.grad(external, argnums=(0, 1), has_aux=True))(hidden, head, earlier)
+    np.testing.assert_allclose(got_hidden, want_hidden, rtol=1e-6, atol=1e-7)
+    assert not np.any(np.asarray(got_head))
+    assert summed.dtype == jnp.float32
+    np.testing.assert_allclose(scale * (summed - earlier), want_head, rtol=2e-5, atol=1e-6)

@@ -12,7 +12,7 @@ their global count. With gradient accumulation each micro-batch contributes
 import contextlib
 import contextvars
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -165,9 +165,18 @@ def fused_head_loss(
     z_loss_weight: float,
     logits_dtype: str = "compute",
     constrain: Constrain = unconstrained,
-) -> tuple[Float[Array, ""], LossSums]:
+    head_grad: Optional[Float[Array, "d_model padded_vocab"]] = None,
+):
     """(ce + z_loss_weight * z, the `LossSums`) of `hidden @ head`, for training: the first
     is differentiable, the sums are metrics (no gradient flows through them).
+
+    With `head_grad` (float32, the head's shape) the head's gradient goes there instead of
+    through autodiff (which then gives the head none): a third result, `head_grad` plus this
+    batch's d(ce + z_w * z)/d(head), unscaled, for the caller to scale by the objective's
+    factor once. Gradient accumulation passes its running sum, and every chunk adds into it
+    directly; through autodiff each micro-batch would start its own sum from zero, then scale
+    it, round it to the head's dtype and add it into the accumulator: four more passes over a
+    [d_model, vocab] float32 array per micro-batch (olmo3_600m: 514 MB each).
 
     Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's float32 logits are
     computed once, and in the same pass their gradient, `w * (softmax * (1 + 2 z_w lse) -
@@ -202,9 +211,11 @@ def fused_head_loss(
         d_head = d_head + jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
         return (ce + sums.ce, z + sums.z, d_head), d_h
 
-    def run(hidden, head):
+    external = head_grad is not None
+
+    def run(hidden, head, d_head):
         zero = jnp.zeros((), jnp.float32)
-        init = (zero, zero, jnp.zeros(head.shape, jnp.float32))
+        init = (zero, zero, d_head)
         if n_chunks == 1:
             (ce, z, d_head), d_hidden = chunk_pass(head, init, (hidden, labels, weights))
         else:
@@ -213,18 +224,24 @@ def fused_head_loss(
                 functools.partial(chunk_pass, head), init, xs, unroll=_UNROLL_CHUNKS.get() or 1
             )
             d_hidden = jnp.moveaxis(d_chunks, 0, 1).reshape(batch, n_chunks * size, d_model)[:, :length]
-        return (ce + z_loss_weight * z, ce, z), (d_hidden, d_head)
+        return (ce + z_loss_weight * z, ce, z, d_head), (d_hidden, None if external else d_head)
 
     @jax.custom_vjp
-    def loss_and_sums(hidden, head):
-        return run(hidden, head)[0]  # without a gradient XLA drops the unused gradient work
+    def loss_and_sums(hidden, head, d_head):
+        return run(hidden, head, d_head)[0]  # without a gradient XLA drops the unused gradient work
 
-    def backward(gradients, cotangents):
-        d_hidden, d_head = gradients
-        # Only the weighted sum is differentiated; ce and z leave as metrics (stopped below).
+    def backward(residuals, cotangents):
+        d_hidden, d_head = residuals
+        # Only the weighted sum is differentiated; ce and z leave as metrics (stopped below),
+        # an external head gradient as a result of its own.
         cotangent = cotangents[0]
-        return (cotangent * d_hidden).astype(hidden.dtype), (cotangent * d_head).astype(head.dtype)
+        d_head = jnp.zeros(head.shape, head.dtype) if external else (cotangent * d_head).astype(head.dtype)
+        return (cotangent * d_hidden).astype(hidden.dtype), d_head, jnp.zeros(head.shape, jnp.float32)
 
     loss_and_sums.defvjp(run, backward)
-    value, ce, z = loss_and_sums(hidden, head)
-    return value, LossSums(ce=jax.lax.stop_gradient(ce), z=jax.lax.stop_gradient(z), count=jnp.sum(weights))
+    d_head = head_grad.astype(jnp.float32) if external else jnp.zeros(head.shape, jnp.float32)
+    value, ce, z, d_head = loss_and_sums(hidden, head, d_head)
+    sums = LossSums(ce=jax.lax.stop_gradient(ce), z=jax.lax.stop_gradient(z), count=jnp.sum(weights))
+    if external:
+        return value, sums, jax.lax.stop_gradient(d_head)
+    return value, sums

@@ -136,21 +136,22 @@ def model_loss_sums_and_aux(model: CausalLM, batch: TokenBatch, constrain) -> tu
 
 
 def training_loss(
-    model: CausalLM, batch: TokenBatch, constrain, z_loss_weight: float
-) -> tuple[Float[Array, ""], LossSums, dict[str, Array]]:
+    model: CausalLM, batch: TokenBatch, constrain, z_loss_weight: float, head_grad: Float[Array, "d_model padded_vocab"]
+) -> tuple[Float[Array, ""], LossSums, dict[str, Array], Float[Array, "d_model padded_vocab"]]:
     """(ce + z_loss_weight * z summed over the batch's targets, differentiable; the `LossSums`
-    as metrics; the model's auxiliary terms): `model_loss_sums_and_aux` with the head's
-    gradient formed in the same pass as its logits (`loss.fused_head_loss`)."""
+    as metrics; the model's auxiliary terms; `head_grad` plus the batch's unscaled gradient of
+    that sum with respect to the head): `model_loss_sums_and_aux` with the head's gradient
+    formed in the same pass as its logits, outside autodiff (`loss.fused_head_loss`)."""
     hidden, aux = model.hidden_states_and_aux(
         batch.input_ids, batch.positions, segment_ids=batch.segment_ids, constrain=constrain
     )
     config = model.config
-    weighted, sums = fused_head_loss(
+    weighted, sums, head_grad = fused_head_loss(
         hidden, model.lm_head, batch.input_ids, batch.loss_mask, vocab_size=config.vocab_size,
         chunk_size=config.loss_chunk_size, z_loss_weight=z_loss_weight, logits_dtype=config.logits_dtype,
-        constrain=constrain,
+        constrain=constrain, head_grad=head_grad,
     )
-    return weighted, sums, aux
+    return weighted, sums, aux, head_grad
 
 
 def make_train_step(
@@ -221,11 +222,13 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
         # cast once per step (`compute_weights`); their gradients come back float32 below.
         weights = compute_weights(params, state.model)
 
-        def micro_objective(params, batch: TokenBatch):
-            weighted, sums, aux = training_loss(eqx.combine(params, static), batch, constrain, z_weight)
+        # The recipe's reduction: over the *global* batch's target count (loss.objective).
+        scale = 1.0 / jnp.maximum(count, 1.0)
+
+        def micro_objective(params, batch: TokenBatch, head_grad):
+            weighted, sums, aux, head_grad = training_loss(eqx.combine(params, static), batch, constrain, z_weight, head_grad)
             aux = {name: value / micro_batches for name, value in aux.items()}
-            # The recipe's reduction: over the *global* batch's target count (loss.objective).
-            return weighted / jnp.maximum(count, 1.0) + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux)
+            return weighted * scale + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux, head_grad)
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
 
@@ -238,22 +241,31 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
             shardings = model_shardings(state.model, mesh, rules)
             return jax.tree.map(jax.lax.with_sharding_constraint, grads, shardings)
 
+        # The loss's head gradient, summed over every micro-batch's chunks in one float32
+        # array and scaled once (`loss.fused_head_loss`); laid out like the head's gradient.
+        head_zeros = jnp.zeros(params.lm_head.shape, jnp.float32)
+        if mesh is not None:
+            head_zeros = jax.lax.with_sharding_constraint(head_zeros, model_shardings(state.model, mesh, rules).lm_head)
         if micro_batches == 1:
-            grads, (sums, aux) = grad_fn(weights, batch)
+            grads, (sums, aux, head_grad) = grad_fn(weights, batch, head_zeros)
             grads = to_f32(grads)
         else:
 
             def accumulate(carry, xs):
-                g, s = grad_fn(weights, xs)
-                return jax.tree.map(jnp.add, carry, (to_f32(g), s)), None
+                grads, metrics, head_grad = carry
+                g, (sums, aux, head_grad) = grad_fn(weights, xs, head_grad)
+                return (jax.tree.map(jnp.add, (grads, metrics), (to_f32(g), (sums, aux))) + (head_grad,)), None
 
             xs = jax.tree.map(lambda x: _split_micro_batches(x, micro_batches, mesh, rules), batch)
-            aux_shapes = jax.eval_shape(grad_fn, weights, jax.tree.map(lambda x: x[0], xs))[1][1]
+            aux_shapes = jax.eval_shape(grad_fn, weights, jax.tree.map(lambda x: x[0], xs), head_zeros)[1][1]
             zeros = (
                 to_f32(jax.tree.map(jnp.zeros_like, params)),
                 (LossSums(*(jnp.zeros((), jnp.float32),) * 3), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)),
+                head_zeros,
             )
-            (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, xs)
+            (grads, (sums, aux), head_grad), _ = jax.lax.scan(accumulate, zeros, xs)
+        # Autodiff gave the head only what reaches it outside the loss (nothing, for untied heads).
+        grads = eqx.tree_at(lambda g: g.lm_head, grads, grads.lm_head + head_grad * scale)
 
         return finish(state, grads, sums, aux, count, schedule)
 
