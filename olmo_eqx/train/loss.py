@@ -12,7 +12,7 @@ their global count. With gradient accumulation each micro-batch contributes
 import contextlib
 import contextvars
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +123,7 @@ def chunked_loss_sums(
 ) -> LossSums:
     """`loss_sums` of `hidden @ head` without ever holding the whole [batch, seq, vocab] logits.
 
-    The sequence is cut into chunks of `chunk_size` positions; each chunk's float32 logits are
+    The sequence is cut into chunks of `chunk_size` positions; each chunk's logits are
     computed, reduced to sums and dropped, and recomputed in the backward pass (remat), so the
     loss holds one chunk's logits at a time. Columns of the padded vocabulary are masked out.
     """
@@ -166,7 +166,9 @@ def fused_head_loss(
     logits_dtype: str = "compute",
     constrain: Constrain = unconstrained,
     head_grad: Optional[Float[Array, "d_model padded_vocab"]] = None,
-):
+) -> Union[
+    tuple[Float[Array, ""], LossSums], tuple[Float[Array, ""], LossSums, Float[Array, "d_model padded_vocab"]]
+]:
     """(ce + z_loss_weight * z, the `LossSums`) of `hidden @ head`, for training: the first
     is differentiable, the sums are metrics (no gradient flows through them).
 
@@ -178,7 +180,7 @@ def fused_head_loss(
     it, round it to the head's dtype and add it into the accumulator: four more passes over a
     [d_model, vocab] float32 array per micro-batch (olmo3_600m: 514 MB each).
 
-    Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's float32 logits are
+    Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's logits are
     computed once, and in the same pass their gradient, `w * (softmax * (1 + 2 z_w lse) -
     onehot(label))`, is formed and multiplied into the gradients of the hidden states and of
     the head (accumulated in float32 over the chunks). The backward pass only scales them by

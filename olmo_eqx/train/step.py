@@ -222,13 +222,11 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
         # cast once per step (`compute_weights`); their gradients come back float32 below.
         weights = compute_weights(params, state.model)
 
-        # The recipe's reduction: over the *global* batch's target count (loss.objective).
-        scale = 1.0 / jnp.maximum(count, 1.0)
-
         def micro_objective(params, batch: TokenBatch, head_grad):
             weighted, sums, aux, head_grad = training_loss(eqx.combine(params, static), batch, constrain, z_weight, head_grad)
             aux = {name: value / micro_batches for name, value in aux.items()}
-            return weighted * scale + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux, head_grad)
+            # The recipe's reduction: over the *global* batch's target count (loss.objective).
+            return weighted / jnp.maximum(count, 1.0) + aux.get(AUX_OBJECTIVE, 0.0), (sums, aux, head_grad)
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
 
@@ -254,7 +252,8 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
             def accumulate(carry, xs):
                 grads, metrics, head_grad = carry
                 g, (sums, aux, head_grad) = grad_fn(weights, xs, head_grad)
-                return (jax.tree.map(jnp.add, (grads, metrics), (to_f32(g), (sums, aux))) + (head_grad,)), None
+                grads, metrics = jax.tree.map(jnp.add, (grads, metrics), (to_f32(g), (sums, aux)))
+                return (grads, metrics, head_grad), None
 
             xs = jax.tree.map(lambda x: _split_micro_batches(x, micro_batches, mesh, rules), batch)
             aux_shapes = jax.eval_shape(grad_fn, weights, jax.tree.map(lambda x: x[0], xs), head_zeros)[1][1]
@@ -265,7 +264,8 @@ def _compiled_train_step(optim_config: OptimConfig, mesh: Optional[Mesh], rules:
             )
             (grads, (sums, aux), head_grad), _ = jax.lax.scan(accumulate, zeros, xs)
         # Autodiff gave the head only what reaches it outside the loss (nothing, for untied heads).
-        grads = eqx.tree_at(lambda g: g.lm_head, grads, grads.lm_head + head_grad * scale)
+        # (times the cotangent autodiff gives `weighted` above: 1 / count)
+        grads = eqx.tree_at(lambda g: g.lm_head, grads, grads.lm_head + head_grad * (1.0 / jnp.maximum(count, 1.0)))
 
         return finish(state, grads, sums, aux, count, schedule)
 
