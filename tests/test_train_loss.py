@@ -53,12 +53,29 @@ def test_bf16_logits_are_summed_in_float32():
     assert sums.ce.dtype == sums.z.dtype == jnp.float32
 
 
+def fused(hidden, head, ids, mask, head_grad=None, **kw):
+    """`fused_head_loss` as the training step takes it: ((value, sums), (autodiff's gradient of
+    the value for the hidden states, for the head), the head's gradient it returns summed into
+    `head_grad`, zeros by default)."""
+    from olmo_eqx.train.loss import fused_head_loss
+
+    start = jnp.zeros(head.shape, jnp.float32) if head_grad is None else head_grad
+
+    def objective(hidden, head):
+        value, sums, summed = fused_head_loss(hidden, head, ids, mask, start, **kw)
+        return value, (sums, summed)
+
+    (value, (sums, summed)), grads = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(hidden, head)
+    return (value, sums), grads, summed
+
+
 @pytest.mark.parametrize("chunk_size", [4, 16])
 def test_fused_head_loss_equals_autodiff_of_the_chunked_loss(chunk_size):
     """The training head (gradient formed with the logits, `fused_head_loss`) against autodiff
-    of `chunked_loss_sums`: same sums, same gradients of ce + z_w * z, with a padded vocabulary,
-    masked targets and a sequence that is not a whole number of chunks (float32)."""
-    from olmo_eqx.train.loss import chunked_loss_sums, fused_head_loss
+    of `chunked_loss_sums`: same sums, same gradients of ce + z_w * z (the head's returned, not
+    autodiff's, which gives it none), with a padded vocabulary, masked targets and a sequence
+    that is not a whole number of chunks (float32)."""
+    from olmo_eqx.train.loss import chunked_loss_sums
 
     k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
     hidden = jax.random.normal(k1, (2, 11, 8))
@@ -72,31 +89,31 @@ def test_fused_head_loss_equals_autodiff_of_the_chunked_loss(chunk_size):
         sums = chunked_loss_sums(hidden, head, ids, mask, **kw)
         return sums.ce + z_w * sums.z, sums
 
-    def fused(hidden, head):
-        return fused_head_loss(hidden, head, ids, mask, z_loss_weight=z_w, **kw)
-
     (want, want_sums), want_grads = jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)(hidden, head)
-    (got, got_sums), got_grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1), has_aux=True))(hidden, head)
+    training = jax.jit(lambda hidden, head: fused(hidden, head, ids, mask, z_loss_weight=z_w, **kw))
+    (got, got_sums), (d_hidden, d_head_autodiff), d_head = training(hidden, head)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(got_sums, want_sums):
         np.testing.assert_allclose(a, b, rtol=1e-6)
-    for a, b in zip(got_grads, want_grads):
+    for a, b in zip((d_hidden, d_head), want_grads):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    assert not np.any(np.asarray(d_head_autodiff))
     # The sums are metrics: no gradient flows through them.
-    grad_of_ce = jax.grad(lambda h: fused(h, head)[1].ce)(hidden)
-    assert not np.any(np.asarray(grad_of_ce))
+    from olmo_eqx.train.loss import fused_head_loss
+
+    grad_of_ce = jax.grad(lambda h: fused_head_loss(h, head, ids, mask, jnp.zeros(head.shape), z_loss_weight=z_w, **kw)[1].ce)
+    assert not np.any(np.asarray(grad_of_ce(hidden)))
     # The planner's counting programs run the same chunks with no loop (XLA's cost analysis
     # counts a loop's body once): same values, and no while loop left to count.
     from olmo_eqx.train.loss import unrolled_loss_chunks
 
-    grad_fn = jax.jit(jax.value_and_grad(fused, argnums=(0, 1), has_aux=True))
     with unrolled_loss_chunks():
-        unrolled = jax.jit(jax.value_and_grad(fused, argnums=(0, 1), has_aux=True))
-        (flat, _), flat_grads = unrolled(hidden, head)
+        unrolled = jax.jit(lambda hidden, head: fused(hidden, head, ids, mask, z_loss_weight=z_w, **kw))
+        (flat, _), (flat_hidden, _), flat_head = unrolled(hidden, head)
         assert "while" not in unrolled.lower(hidden, head).as_text()
-    assert ("while" in grad_fn.lower(hidden, head).as_text()) == (chunk_size < hidden.shape[1])
+    assert ("while" in training.lower(hidden, head).as_text()) == (chunk_size < hidden.shape[1])
     np.testing.assert_allclose(flat, got, rtol=1e-6)
-    for a, b in zip(flat_grads, got_grads):
+    for a, b in zip((flat_hidden, flat_head), (d_hidden, d_head)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
@@ -104,7 +121,7 @@ def test_logits_in_the_compute_dtype_are_rounded_once_as_olmo_core_does():
     """`logits_dtype="compute"`: the head's matmul writes bf16 logits, as OLMo-core's head under
     bf16 mixed precision, and the loss upcasts them: its sums are `loss_sums` of exactly those
     bf16 logits (float32 logits give other sums), and the fused gradient is autodiff's."""
-    from olmo_eqx.train.loss import chunked_loss_sums, fused_head_loss
+    from olmo_eqx.train.loss import chunked_loss_sums
 
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     hidden = jax.random.normal(k1, (2, 12, 16)).astype(jnp.bfloat16)
@@ -126,40 +143,26 @@ def test_logits_in_the_compute_dtype_are_rounded_once_as_olmo_core_does():
         sums = chunked_loss_sums(hidden, head, ids, mask, logits_dtype="compute", **kw)
         return sums.ce + 0.1 * sums.z
 
-    def fused(hidden, head):
-        return fused_head_loss(hidden, head, ids, mask, z_loss_weight=0.1, logits_dtype="compute", **kw)[0]
-
-    np.testing.assert_allclose(jax.jit(fused)(hidden, head), reference(hidden, head), rtol=1e-6)
-    for a, b in zip(jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head), jax.grad(reference, argnums=(0, 1))(hidden, head)):
+    training = jax.jit(lambda hidden, head: fused(hidden, head, ids, mask, z_loss_weight=0.1, logits_dtype="compute", **kw))
+    (value, _), (d_hidden, _), d_head = training(hidden, head)
+    np.testing.assert_allclose(value, reference(hidden, head), rtol=1e-6)
+    for a, b in zip((d_hidden, d_head), jax.grad(reference, argnums=(0, 1))(hidden, head)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
 
 
-def test_an_external_head_gradient_is_summed_into_the_callers_array():
-    """`head_grad`: the head's gradient leaves as a third result, added to the caller's float32
-    sum and unscaled (gradient accumulation scales once), and autodiff gives the head none;
-    the hidden states' gradient is unchanged."""
-    from olmo_eqx.train.loss import fused_head_loss
-
+def test_the_head_gradient_is_summed_into_the_callers_array():
+    """The head's gradient adds into the caller's float32 sum (gradient accumulation's, which
+    scales it once): what earlier micro-batches summed plus this batch's, exactly as from zero."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
     hidden = jax.random.normal(k1, (2, 9, 8))
     head = 0.5 * jax.random.normal(k2, (8, 16))
     ids = jax.random.randint(k3, (2, 9), 0, 13)
     mask = (jax.random.uniform(k4, (2, 9)) > 0.2).astype(jnp.float32)
     kw = dict(vocab_size=13, chunk_size=4, z_loss_weight=0.1)
-    scale = 0.25  # the objective's factor, 1 / count in training
-
-    def plain(hidden, head):
-        return scale * fused_head_loss(hidden, head, ids, mask, **kw)[0]
-
-    def external(hidden, head, head_grad):
-        value, _, head_grad = fused_head_loss(hidden, head, ids, mask, head_grad=head_grad, **kw)
-        return scale * value, head_grad
-
     earlier = jax.random.normal(jax.random.key(6), head.shape)  # what earlier micro-batches summed
-    want_hidden, want_head = jax.grad(plain, argnums=(0, 1))(hidden, head)
-    (got_hidden, got_head), summed = jax.jit(jax.grad(external, argnums=(0, 1), has_aux=True))(hidden, head, earlier)
-    np.testing.assert_allclose(got_hidden, want_hidden, rtol=1e-6, atol=1e-7)
-    assert not np.any(np.asarray(got_head))
+    _, _, alone = fused(hidden, head, ids, mask, **kw)
+    _, (d_hidden, _), summed = jax.jit(lambda e: fused(hidden, head, ids, mask, head_grad=e, **kw))(earlier)
     assert summed.dtype == jnp.float32
-    np.testing.assert_allclose(scale * (summed - earlier), want_head, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(summed, earlier + alone, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d_hidden, fused(hidden, head, ids, mask, **kw)[1][0], rtol=1e-6)

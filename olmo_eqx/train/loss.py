@@ -12,7 +12,7 @@ their global count. With gradient accumulation each micro-batch contributes
 import contextlib
 import contextvars
 import functools
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -159,35 +159,33 @@ def fused_head_loss(
     head: Float[Array, "d_model padded_vocab"],
     input_ids: Int[Array, "batch seq"],
     loss_mask: Float[Array, "batch seq"],
+    head_grad: Float[Array, "d_model padded_vocab"],
     *,
     vocab_size: int,
     chunk_size: int,
     z_loss_weight: float,
     logits_dtype: str = "compute",
     constrain: Constrain = unconstrained,
-    head_grad: Optional[Float[Array, "d_model padded_vocab"]] = None,
-) -> Union[
-    tuple[Float[Array, ""], LossSums], tuple[Float[Array, ""], LossSums, Float[Array, "d_model padded_vocab"]]
-]:
-    """(ce + z_loss_weight * z, the `LossSums`) of `hidden @ head`, for training: the first
-    is differentiable, the sums are metrics (no gradient flows through them).
+) -> tuple[Float[Array, ""], LossSums, Float[Array, "d_model padded_vocab"]]:
+    """(ce + z_loss_weight * z, the `LossSums`, `head_grad` plus d(ce + z_w * z)/d(head)) of
+    `hidden @ head`, for training. The first is differentiable with respect to `hidden`; the
+    sums are metrics (no gradient flows through them); the head's gradient is the third result,
+    not autodiff's (which gives the head none from here), unscaled and in float32.
 
-    With `head_grad` (float32, the head's shape) the head's gradient goes there instead of
-    through autodiff (which then gives the head none): a third result, `head_grad` plus this
-    batch's d(ce + z_w * z)/d(head), unscaled, for the caller to scale by the objective's
-    factor once. Gradient accumulation passes its running sum, and every chunk adds into it
-    directly; through autodiff each micro-batch would start its own sum from zero, then scale
-    it, round it to the head's dtype and add it into the accumulator: four more passes over a
-    [d_model, vocab] float32 array per micro-batch (olmo3_600m: 514 MB each).
-
-    Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's logits are
-    computed once, and in the same pass their gradient, `w * (softmax * (1 + 2 z_w lse) -
+    Same values as `chunked_loss_sums`; a cheaper gradient. Each chunk's logits are computed
+    once, and in the same pass their gradient, `w * (softmax * (1 + 2 z_w lse) -
     onehot(label))`, is formed and multiplied into the gradients of the hidden states and of
-    the head (accumulated in float32 over the chunks). The backward pass only scales them by
-    the incoming cotangent. Autodiff of the chunked loss instead computes every chunk's
-    logits twice (forward, then again under remat in the backward pass) and reads them in
-    more passes; at the OLMo 3 vocabulary that is a large part of a small model's step on a
-    TPU (docs/performance.md, "Speed on TPU").
+    the head. The backward pass only scales the hidden states' by the incoming cotangent.
+    Autodiff of the chunked loss instead computes every chunk's logits twice (forward, then
+    again under remat in the backward pass) and reads them in more passes; at the OLMo 3
+    vocabulary that is a large part of a small model's step on a TPU (docs/performance.md,
+    "Speed on TPU").
+
+    The head's gradient adds into the caller's float32 `head_grad`: gradient accumulation
+    passes its running sum and scales it by the objective's factor once. Through autodiff each
+    micro-batch would start its own sum from zero, scale it, round it to the head's dtype and
+    add it into the accumulator: four more passes over a [d_model, vocab] float32 array per
+    micro-batch (olmo3_600m: 514 MB each).
     """
     labels, weights = _shifted_targets(input_ids, loss_mask)
     head = constrain(head.astype(hidden.dtype), ("act_embed", "act_vocab"))
@@ -213,8 +211,6 @@ def fused_head_loss(
         d_head = d_head + jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
         return (ce + sums.ce, z + sums.z, d_head), d_h
 
-    external = head_grad is not None
-
     def run(hidden, head, d_head):
         zero = jnp.zeros((), jnp.float32)
         init = (zero, zero, d_head)
@@ -226,24 +222,18 @@ def fused_head_loss(
                 functools.partial(chunk_pass, head), init, xs, unroll=_UNROLL_CHUNKS.get() or 1
             )
             d_hidden = jnp.moveaxis(d_chunks, 0, 1).reshape(batch, n_chunks * size, d_model)[:, :length]
-        return (ce + z_loss_weight * z, ce, z, d_head), (d_hidden, None if external else d_head)
+        return (ce + z_loss_weight * z, ce, z, d_head), d_hidden
 
     @jax.custom_vjp
     def loss_and_sums(hidden, head, d_head):
-        return run(hidden, head, d_head)[0]  # without a gradient XLA drops the unused gradient work
+        return run(hidden, head, d_head)[0]
 
-    def backward(residuals, cotangents):
-        d_hidden, d_head = residuals
-        # Only the weighted sum is differentiated; ce and z leave as metrics (stopped below),
-        # an external head gradient as a result of its own.
-        cotangent = cotangents[0]
-        d_head = jnp.zeros(head.shape, head.dtype) if external else (cotangent * d_head).astype(head.dtype)
-        return (cotangent * d_hidden).astype(hidden.dtype), d_head, jnp.zeros(head.shape, jnp.float32)
+    def backward(d_hidden, cotangents):
+        # Only the weighted sum is differentiated; ce and z leave as metrics and the head's
+        # gradient as a result (all stopped below).
+        return (cotangents[0] * d_hidden).astype(hidden.dtype), jnp.zeros_like(head), jnp.zeros(head.shape, jnp.float32)
 
     loss_and_sums.defvjp(run, backward)
-    d_head = head_grad.astype(jnp.float32) if external else jnp.zeros(head.shape, jnp.float32)
-    value, ce, z, d_head = loss_and_sums(hidden, head, d_head)
-    sums = LossSums(ce=jax.lax.stop_gradient(ce), z=jax.lax.stop_gradient(z), count=jnp.sum(weights))
-    if external:
-        return value, sums, jax.lax.stop_gradient(d_head)
-    return value, sums
+    value, ce, z, d_head = loss_and_sums(hidden, head, head_grad.astype(jnp.float32))
+    stop = jax.lax.stop_gradient
+    return value, LossSums(ce=stop(ce), z=stop(z), count=jnp.sum(weights)), stop(d_head)

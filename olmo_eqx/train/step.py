@@ -147,9 +147,9 @@ def training_loss(
     )
     config = model.config
     weighted, sums, head_grad = fused_head_loss(
-        hidden, model.lm_head, batch.input_ids, batch.loss_mask, vocab_size=config.vocab_size,
+        hidden, model.lm_head, batch.input_ids, batch.loss_mask, head_grad, vocab_size=config.vocab_size,
         chunk_size=config.loss_chunk_size, z_loss_weight=z_loss_weight, logits_dtype=config.logits_dtype,
-        constrain=constrain, head_grad=head_grad,
+        constrain=constrain,
     )
     return weighted, sums, aux, head_grad
 
