@@ -294,7 +294,7 @@ def test_search_takes_the_fewest_micro_batches_that_fit_and_names_the_fastest(mo
     probed = []
     monkeypatch.setattr(layouts_module, "plan_config", lambda layout, *a, **k: probed.append(layout) or fake_plan(layout, *a, **k))
     monkeypatch.setattr(layouts_module, "add_estimate", fake_estimate)
-    found = plan_module.search(config, TARGET, list(range(4)), max_layouts=9, report=lambda line: None)
+    found = plan_module.search(config, TARGET, list(range(4)), report=lambda line: None)  # every policy, then two blocks
     shown = [(name(r), r["micro_batches"], r["attention_block_size"], "estimate" in r) for r in found["rows"]]
     # Bisection over 1, 2, 4, 8, 16: 4 first, then 16/8 or 2/1; refusals shown, unestimated.
     # (Probes that fit but are not the fewest are not shown: 4 micro-batches for save_attention.)

@@ -31,7 +31,8 @@ allocated and no chip is needed.
   slowest of FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at interconnect
   bandwidth; the chip's published peaks). Neither is a measurement.
 - `+plan.search=true` tries layouts (remat policies, micro-batches, attention blocks) and
-  names the fastest that fits; `+plan.max_layouts=N` bounds it (default 8).
+  names the fastest that fits; `+plan.max_layouts=N` bounds it (default: one layout
+  per remat policy and the two attention blocks).
 
 Options: `+plan.json=PATH` also writes the figures as JSON, `+plan.hlo=PATH` the compiled
 HLO text (the target compiler's program, to read what it gathers, fuses and schedules).

@@ -21,7 +21,7 @@ class PlanOptions:
     hlo: str = ""
     estimate: Optional[bool] = None  # None: for accelerator targets
     search: bool = False
-    max_layouts: int = 9
+    max_layouts: Optional[int] = None  # None: the search's own bound (`layouts.search`)
 
 
 def _bool(name: str, value: str) -> bool:
@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
         if not options["devices"].isdigit():
             raise SystemExit(f"+plan.devices must be a whole number, got {options['devices']!r}")
         options["target"] = f"cpu:{options.pop('devices')}"
-    if not options.get("max_layouts", "9").isdigit():
+    if "max_layouts" in options and not options["max_layouts"].isdigit():
         raise SystemExit(f"+plan.max_layouts must be a whole number, got {options['max_layouts']!r}")
     return PlanOptions(
         target=options.get("target", "cpu:8"),
@@ -59,7 +59,7 @@ def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
         hlo=options.get("hlo", ""),
         estimate=_bool("estimate", options["estimate"]) if "estimate" in options else None,
         search=_bool("search", options.get("search", "false")),
-        max_layouts=int(options.get("max_layouts", 9)),
+        max_layouts=int(options["max_layouts"]) if "max_layouts" in options else None,
     ), overrides
 
 

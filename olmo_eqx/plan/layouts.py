@@ -25,14 +25,15 @@ def _layouts(config, target: Target, batch_shards: int):
     return policies, micro
 
 
-def search(config, target: Target, devices, *, max_layouts: int = 9, estimate: bool = True, report=print) -> dict:
+def search(config, target: Target, devices, *, max_layouts: Optional[int] = None, estimate: bool = True, report=print) -> dict:
     """Try layouts for `target` and name the fastest that fits (by the estimates' step time).
 
     Per remat policy, the fewest micro-batches that fit, found by bisection (fitting needs
     fewer of them the more micro-batches there are): a layout the compiler refuses costs
     seconds, one that fits its compile; only the fewest that fit gets the estimate's
     compiles. Then, for the best, a larger and a smaller attention block.
-    `max_layouts` bounds the layouts estimated; refusals and probes are not counted.
+    `max_layouts` bounds the layouts estimated (None: one per policy and the two blocks);
+    refusals and probes are not counted.
     """
     if target.chip is None:
         raise SystemExit("+plan.search needs an accelerator target (+plan.target=tpu:... or gpu:...): a chip to fit and a peak")
@@ -60,6 +61,8 @@ def search(config, target: Target, devices, *, max_layouts: int = 9, estimate: b
         return show(row)
 
     policies, counts = _layouts(config, target, shards)
+    if max_layouts is None:
+        max_layouts = len(policies) + 2
     for policy in policies:
         if estimated >= max_layouts:
             break
