@@ -87,7 +87,9 @@ def test_published_figures_show_beside_a_plan_of_their_model_only():
 
 def test_planner_refuses_unknown_options():
     result = subprocess.run([sys.executable, "-m", "olmo_eqx.plan", "+plan.device=4"], capture_output=True, text=True)
-    assert result.returncode != 0 and "+plan.devices" in result.stderr and "+plan.target" in result.stderr
+    assert result.returncode == 2 and "+plan.devices" in result.stderr and "+plan.target" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "olmo_eqx.plan", "+plan.max_layouts=x"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip() == "+plan.max_layouts must be a whole number, got 'x'"
 
 
 HLO = """HloModule m
